@@ -1,0 +1,21 @@
+"""megatron_pp_ext: memory-thrifty, bubble-free pipeline schedules for Megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-pp-ext",
+    version="0.1.0",
+    description="Pipeline-parallel schedules (ZB, V-shape, DualPipeV, Seq1F1B, SlimPipe, offload) for Megatron-core",
+    packages=find_packages(include=["megatron_pp_ext", "megatron_pp_ext.*"]),
+    package_data={"megatron_pp_ext": ["data/*.txt"]},
+    python_requires=">=3.10",
+    # The schedule core (simulate) needs only matplotlib for pictures; the runtime needs torch and
+    # megatron-core. torch is not pinned here: install the build for your machine first.
+    install_requires=["matplotlib>=3.7", "tqdm>=4.60", "pyyaml>=6"],
+    extras_require={
+        "runtime": ["torch>=2.4", "megatron-core>=0.12"],
+        "dev": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+    },
+    entry_points={"console_scripts": ["megatron-pp-ext=megatron_pp_ext.cli:main"]},
+)
