@@ -1,0 +1,110 @@
+"""Cost models: how long each op takes and how much activation memory it holds.
+
+The simulator asks a cost model four things about a compute op's unit (stage, microbatch, slice):
+its duration per kind, the activation an F allocates, the share of it that survives B until W
+(the inputs the weight-gradient GEMMs still need), and the latency of one p2p message.
+Memory is in bytes; ``microbatch_activation`` (M: one whole unsliced microbatch over all
+transformer layers) converts it to units of M.
+
+Three models: :class:`UniformCosts` (the papers' unit analysis), :class:`TableCosts` (measured
+times per stage and kind) and the transformer FLOP model in ``flops.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .ir import Op, OpKind
+
+
+class CostModel(Protocol):
+    microbatch_activation: float
+
+    def duration(self, op: Op) -> float: ...
+
+    def activation(self, op: Op) -> float: ...
+
+    def weight_share(self, op: Op) -> float: ...
+
+    def comm_latency(self, op: Op) -> float: ...
+
+
+@dataclass
+class UniformCosts:
+    """Every (stage, whole microbatch) op costs ``forward``/``backward``/``weight`` (BW costs
+    backward + weight); a slice op costs its share of that, 1/k for k equal slices.
+
+    Activation: one microbatch over all stages is 1.0 (so peaks read directly in units of M),
+    spread evenly over stages and slices. ``weight_fraction`` of an F's activation stays after B
+    until W (0 would free everything at B).
+    """
+
+    num_stages: int
+    num_slices: int = 1
+    forward: float = 1.0
+    backward: float = 1.0
+    weight: float = 1.0
+    comm: float = 0.0
+    weight_fraction: float = 0.5
+    microbatch_activation: float = 1.0
+
+    def _slice_share(self) -> float:
+        return 1.0 / self.num_slices
+
+    def duration(self, op: Op) -> float:
+        base = {
+            OpKind.F: self.forward,
+            OpKind.B: self.backward,
+            OpKind.W: self.weight,
+            OpKind.BW: self.backward + self.weight,
+        }.get(op.kind, 0.0)
+        return base * self._slice_share()
+
+    def activation(self, op: Op) -> float:
+        return self.microbatch_activation / (self.num_stages * self.num_slices)
+
+    def weight_share(self, op: Op) -> float:
+        return self.activation(op) * self.weight_fraction
+
+    def comm_latency(self, op: Op) -> float:
+        return self.comm
+
+
+@dataclass
+class TableCosts:
+    """Measured durations keyed by (kind, stage) or (kind, stage, slice); missing keys fall back
+    to ``default`` (a uniform model), so a partial table works."""
+
+    default: UniformCosts
+    durations: dict[tuple, float] = field(default_factory=dict)
+    activations: dict[tuple, float] = field(default_factory=dict)  # keyed (stage,) or (stage, slice)
+    weight_shares: dict[tuple, float] = field(default_factory=dict)
+    comm: float | None = None
+
+    @property
+    def microbatch_activation(self) -> float:
+        return self.default.microbatch_activation
+
+    def duration(self, op: Op) -> float:
+        for key in ((op.kind.value, op.stage, op.slice), (op.kind.value, op.stage)):
+            if key in self.durations:
+                return self.durations[key]
+        if op.kind == OpKind.BW and ("B", op.stage) in self.durations and ("W", op.stage) in self.durations:
+            return self.durations[("B", op.stage)] + self.durations[("W", op.stage)]
+        return self.default.duration(op)
+
+    def activation(self, op: Op) -> float:
+        for key in ((op.stage, op.slice), (op.stage,)):
+            if key in self.activations:
+                return self.activations[key]
+        return self.default.activation(op)
+
+    def weight_share(self, op: Op) -> float:
+        for key in ((op.stage, op.slice), (op.stage,)):
+            if key in self.weight_shares:
+                return self.weight_shares[key]
+        return self.default.weight_share(op)
+
+    def comm_latency(self, op: Op) -> float:
+        return self.default.comm_latency(op) if self.comm is None else self.comm
