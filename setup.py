@@ -13,7 +13,7 @@ setup(
     # megatron-core. torch is not pinned here: install the build for your machine first.
     install_requires=["matplotlib>=3.7", "tqdm>=4.60", "pyyaml>=6"],
     extras_require={
-        "runtime": ["torch>=2.4", "megatron-core>=0.12"],
+        "runtime": ["torch>=2.4", "megatron-core>=0.16,<0.17"],
         "dev": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
     },

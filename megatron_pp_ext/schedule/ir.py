@@ -14,8 +14,9 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 
 class OpKind(str, enum.Enum):
@@ -182,7 +183,7 @@ class Schedule:
             for position, op in enumerate(ops):
                 yield rank, position, op
 
-    def with_ranks(self, ranks: list[list[Op]], **meta: Any) -> "Schedule":
+    def with_ranks(self, ranks: list[list[Op]], **meta: Any) -> Schedule:
         return Schedule(
             name=self.name,
             pp=self.pp,
@@ -209,7 +210,7 @@ class Schedule:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Schedule":
+    def from_dict(cls, data: dict[str, Any]) -> Schedule:
         pp = int(data["pp"])
         num_stages = int(data.get("num_stages", pp))
         ranks = [[parse_op(tok) for tok in ops] for ops in data["ranks"]]
@@ -230,7 +231,7 @@ class Schedule:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Schedule":
+    def from_json(cls, text: str) -> Schedule:
         return cls.from_dict(json.loads(text))
 
     def to_text(self) -> str:
@@ -251,7 +252,7 @@ class Schedule:
         return "\n".join(lines) + "\n"
 
     @classmethod
-    def from_text(cls, text: str) -> "Schedule":
+    def from_text(cls, text: str) -> Schedule:
         header: dict[str, Any] = {}
         ranks: dict[int, list[str]] = {}
         for number, raw in enumerate(text.splitlines(), start=1):

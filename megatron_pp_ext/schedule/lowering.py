@@ -9,7 +9,7 @@ S/T ops) plug into :func:`lower` the same way.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .ir import Op, OpKind, Schedule
 

@@ -131,9 +131,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
                 progress = True
     stuck = [r for r in range(lowered.pp) if pointers[r] < len(lowered.ranks[r])]
     if stuck:
-        detail = "; ".join(
-            f"rank {r} waits at {format_op(lowered.ranks[r][pointers[r]])}" for r in stuck
-        )
+        detail = "; ".join(f"rank {r} waits at {format_op(lowered.ranks[r][pointers[r]])}" for r in stuck)
         raise ScheduleError(f"deadlock in simulation: {detail}")
     makespan = max((e.end for e in events), default=0.0)
     return SimResult(

@@ -52,13 +52,17 @@ def _check_structure(schedule: Schedule) -> None:
     seen: dict[tuple[OpKind, Unit], tuple[int, int]] = {}
     for rank, position, op in schedule.all_ops():
         if not 0 <= op.stage < schedule.num_stages:
-            raise ScheduleError(f"{op} at {_where(rank, position)}: stage out of range 0..{schedule.num_stages - 1}")
+            raise ScheduleError(
+                f"{op} at {_where(rank, position)}: stage out of range 0..{schedule.num_stages - 1}"
+            )
         if not 0 <= op.microbatch < schedule.microbatches:
             raise ScheduleError(
                 f"{op} at {_where(rank, position)}: microbatch out of range 0..{schedule.microbatches - 1}"
             )
         if not 0 <= op.slice < schedule.slices:
-            raise ScheduleError(f"{op} at {_where(rank, position)}: slice out of range 0..{schedule.slices - 1}")
+            raise ScheduleError(
+                f"{op} at {_where(rank, position)}: slice out of range 0..{schedule.slices - 1}"
+            )
         owner = schedule.placement.rank_of(op.stage)
         if op.kind in COMPUTE_KINDS:
             if owner != rank:
@@ -68,7 +72,9 @@ def _check_structure(schedule: Schedule) -> None:
                 )
             key = (op.kind, op.unit)
             if key in seen:
-                raise ScheduleError(f"{op} appears twice: at {_where(*seen[key])} and at {_where(rank, position)}")
+                raise ScheduleError(
+                    f"{op} appears twice: at {_where(*seen[key])} and at {_where(rank, position)}"
+                )
             seen[key] = (rank, position)
     for stage in range(schedule.num_stages):
         for microbatch in range(schedule.microbatches):
@@ -125,7 +131,9 @@ def _check_channels(schedule: Schedule) -> None:
         src, dst, direction = key
         for index in range(max(len(sent), len(received))):
             if index >= len(sent):
-                raise ScheduleError(f"rank {dst} expects {received[index]} from rank {src}, which never sends it")
+                raise ScheduleError(
+                    f"rank {dst} expects {received[index]} from rank {src}, which never sends it"
+                )
             if index >= len(received):
                 raise ScheduleError(f"rank {src} sends {sent[index]} to rank {dst}, which never receives it")
             expected = matching_op(sent[index])
@@ -219,7 +227,8 @@ def _explain_stuck(schedule: Schedule, state: _Execution, pointers: list[int], s
         op = schedule.ranks[rank][position]
         needed, where, kinds, unit = state.missing(rank, op)  # type: ignore[misc]
         later = [
-            p for p in range(position + 1, len(schedule.ranks[rank]))
+            p
+            for p in range(position + 1, len(schedule.ranks[rank]))
             if schedule.ranks[rank][p].kind in kinds and schedule.ranks[rank][p].unit == unit
         ]
         if later:

@@ -1,0 +1,218 @@
+"""``megatron-pp-ext simulate``: build a schedule, check it, replay it, print a table.
+
+Pure Python (no torch): usable on a laptop to study a schedule before a GPU is booked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..schedule.costs import CostModel, UniformCosts
+from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
+from ..schedule.ir import Schedule, load
+from ..schedule.simulate import SimResult, simulate
+from ..schedule.validate import ScheduleError, validate
+from .errors import UsageError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "simulate",
+        help="generate, validate and simulate a pipeline schedule (no torch needed)",
+        description="Generate a schedule, validate it and replay it with a cost model.",
+    )
+    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}, or 'all'")
+    parser.add_argument("--schedule-file", help="load a hand-written schedule (text or JSON) instead")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks p")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches m per iteration")
+    parser.add_argument("--vpp", type=int, default=None, help="chunks (virtual stages) per rank")
+    parser.add_argument("--slices", type=int, default=1, help="sequence slices k per microbatch")
+    parser.add_argument(
+        "--slice-partition",
+        choices=("uniform", "balanced"),
+        default=None,
+        help="how to cut the sequence (default: the schedule's own)",
+    )
+    parser.add_argument("--costs", default="1,1,1", help="F,B,W durations per (stage, microbatch)")
+    parser.add_argument("--comm", type=float, default=0.0, help="p2p latency (same unit as --costs)")
+    parser.add_argument(
+        "--weight-fraction",
+        type=float,
+        default=0.5,
+        help="share of an F's activation kept after B until W (uniform costs)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        help="activation limit in units of M for memory-aware schedules (zb-auto)",
+    )
+    parser.add_argument("--model", default=None, help="model shape for the FLOP cost model, e.g. llama-7b")
+    parser.add_argument("--seq-length", type=int, default=4096, help="sequence length for --model")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch")
+    parser.add_argument("--plot", help="write a timeline picture (.png or .svg)")
+    parser.add_argument("--trace", help="write a Chrome/Perfetto trace (.json)")
+    parser.add_argument("--save", help="write the generated schedule (.json or text)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(run=run)
+
+
+def parse_costs(text: str) -> Costs:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError("--costs", f"expected three numbers F,B,W, got {text!r}") from None
+    if len(values) != 3 or min(values) <= 0:
+        raise UsageError("--costs", f"expected three positive numbers F,B,W, got {text!r}")
+    return Costs(forward=values[0], backward=values[1], weight=values[2])
+
+
+def build_schedule(args: argparse.Namespace, name: str, costs: Costs) -> Schedule:
+    if args.schedule_file:
+        try:
+            schedule = load(args.schedule_file)
+        except (OSError, ValueError, KeyError) as error:
+            raise UsageError("--schedule-file", str(error)) from None
+    else:
+        try:
+            schedule = generate(
+                name,
+                args.pp,
+                args.microbatches,
+                vpp=args.vpp,
+                slices=args.slices,
+                costs=costs,
+                memory_limit=args.memory_limit,
+            )
+        except RequestError as error:
+            raise UsageError(error.flag, str(error)) from None
+    if args.slice_partition:
+        schedule.meta["partition"] = args.slice_partition
+    return schedule
+
+
+def cost_model(args: argparse.Namespace, schedule: Schedule, costs: Costs) -> CostModel:
+    if args.model is None:
+        return UniformCosts(
+            num_stages=schedule.num_stages,
+            num_slices=schedule.slices,
+            forward=costs.forward,
+            backward=costs.backward,
+            weight=costs.weight,
+            comm=args.comm,
+            weight_fraction=args.weight_fraction,
+        )
+    from ..schedule.flops import flop_costs_for
+
+    return flop_costs_for(
+        args.model,
+        schedule,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        partition=schedule.meta.get("partition", "uniform"),
+    )
+
+
+def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
+    if args.slices > args.seq_length:
+        raise UsageError(
+            "--slices",
+            f"{args.slices} slices cannot cut a sequence of {args.seq_length} tokens "
+            f"(--seq-length); use --slices <= {args.seq_length}",
+        )
+    costs = parse_costs(args.costs)
+    schedule = build_schedule(args, name, costs)
+    try:
+        validate(schedule)
+    except ScheduleError as error:
+        raise UsageError("--schedule-file" if args.schedule_file else "--schedule", str(error)) from None
+    try:
+        model = cost_model(args, schedule, costs)
+    except (KeyError, ValueError) as error:
+        flag = "--model" if isinstance(error, KeyError) else "--seq-length"
+        message = error.args[0] if error.args else str(error)
+        if isinstance(error, ValueError) and "--slices" in str(message):
+            flag = "--slices"
+        raise UsageError(flag, str(message)) from None
+    return simulate(schedule, model)
+
+
+def _row(result: SimResult) -> dict[str, Any]:
+    data = result.to_dict()
+    return {
+        "schedule": data["schedule"],
+        "v": data["vpp"],
+        "k": data["slices"],
+        "makespan": f"{data['makespan']:.4g}",
+        "bubble": f"{data['bubble_rate']:.3f}",
+        "peak M (rank 0)": f"{data['peak_memory_m'][0]:.3f}",
+        "peak M (max)": f"{max(data['peak_memory_m']):.3f}",
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    headers = list(rows[0])
+    widths = {h: max(len(h), *(len(str(r.get(h, ""))) for r in rows)) for h in headers}
+    lines = ["  ".join(h.ljust(widths[h]) for h in headers)]
+    lines.append("  ".join("-" * widths[h] for h in headers))
+    for row in rows:
+        lines.append("  ".join(str(row.get(h, "")).ljust(widths[h]) for h in headers))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.schedule == "all" and not args.schedule_file:
+        return run_all(args)
+    result = simulate_one(args, args.schedule)
+    write_pictures(args, result)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print(format_table([_row(result)]))
+    per_rank = ", ".join(
+        f"r{r}: bubble {b:.3f} peak {m:.3f}M"
+        for r, (b, m) in enumerate(zip(result.bubble_rate_per_rank, result.peak_memory_m))
+    )
+    print(per_rank)
+    return 0
+
+
+def run_all(args: argparse.Namespace) -> int:
+    """Every registered schedule on the same p and m; the ones that cannot run say why."""
+    rows: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for name in SCHEDULES:
+        try:
+            result = simulate_one(args, name)
+        except UsageError as error:
+            rows.append({"schedule": name, "v": "-", "k": "-", "makespan": f"n/a: {error.flag}"})
+            results.append({"schedule": name, "error": str(error)})
+            continue
+        rows.append(_row(result))
+        results.append(result.to_dict())
+    if args.json:
+        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "schedules": results}))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+def write_pictures(args: argparse.Namespace, result: SimResult) -> None:
+    if not (args.plot or args.trace or args.save):
+        return
+    from ..schedule import plot
+
+    if args.plot:
+        plot.plot_timeline(result, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.trace:
+        plot.write_trace(result, args.trace)
+        print(f"wrote {args.trace}", file=sys.stderr)
+    if args.save:
+        from ..schedule.ir import save
+
+        save(result.schedule, args.save)
+        print(f"wrote {args.save}", file=sys.stderr)
