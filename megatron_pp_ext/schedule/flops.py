@@ -1,0 +1,207 @@
+"""A FLOP-based cost model: op durations and activation bytes of a Llama-style transformer.
+
+Per layer and token of a slice of length s ending at position P (b sequences per microbatch):
+
+* F: the GEMMs, 2 FLOPs per multiply-add over every weight (QKV with GQA-sized K/V, output
+  projection, SwiGLU's three or GeLU's two MLP matrices), plus causal attention of the slice's
+  queries against every key up to P (bottom-right causal): a(4d+3) FLOPs per (query, key) pair.
+* B: the input-gradient GEMMs (as many FLOPs as the forward GEMMs) plus attention backward
+  (twice the attention forward).
+* W: the weight-gradient GEMMs (as many FLOPs as the forward GEMMs). BW = B + W.
+
+Stage 0 also holds the embedding (a lookup: no FLOPs, no saved activation beyond token ids). The
+last stage also holds the final norm, the output layer (2*s*h*V FLOPs each for F, B and W) and the
+cross-entropy. Norms, residual adds, RoPE and SiLU are left out of the FLOPs (well under 1%).
+
+Durations are seconds at ``peak_flops * utilisation``: by default 400 TFLOP/s (a bf16 dense
+Hopper-class figure) at 50% utilisation, i.e. 200 TFLOP/s delivered. Pass your own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .ir import Op, OpKind, Schedule
+from .models import ModelShape, get_model
+from .partition import DEFAULT_UNIT, causal_pairs, slice_lengths
+
+FP32 = 4
+
+
+def layer_activation_bytes_per_token(shape: ModelShape) -> int:
+    """Bytes one layer saves per token for its backward (bf16 unless noted), flash attention,
+    no recompute, no tensor/sequence parallelism:
+
+    * attention-norm input (the residual stream) h, and its output (the QKV GEMM input) h
+    * Q, K, V after RoPE: a*d + 2*g*d (GQA: K and V are g*d wide)
+    * attention output O: a*d (flash attention's saved output, also the out-projection input)
+    * flash-attention log-sum-exp: a values in fp32
+    * MLP-norm input h, and its output (the gate/up or fc1 GEMM input) h
+    * SwiGLU: gate and up outputs 2f, down-projection input f (GeLU MLP: fc1 output f, fc2 input f)
+    * the two RMSNorm reciprocal RMS values in fp32
+    """
+    e = shape.bytes_per_element
+    h = shape.hidden
+    elements = 4 * h + shape.q_width + 2 * shape.kv_width + shape.q_width
+    elements += (shape.ffn_matrices - 1) * shape.ffn + shape.ffn
+    return elements * e + (shape.heads + 2) * FP32
+
+
+def layer_weight_share_bytes_per_token(shape: ModelShape) -> int:
+    """Bytes one layer keeps after B until W: the two operands of every weight-gradient GEMM
+    (dW = dY^T X), i.e. each linear's input X and the gradient dY of its output.
+
+    QKV: X h, dY a*d + 2*g*d; out projection: X a*d, dY h; gate/up (fc1): X h, dY 2f (f);
+    down (fc2): X f, dY h. For a multi-head (g = a) Llama this equals the whole saved activation
+    less the fp32 extras: deferring W frees little at B, as the zero-bubble papers note.
+    """
+    h = shape.hidden
+    qkv = h + shape.q_width + 2 * shape.kv_width
+    projection = shape.q_width + h
+    up = h + (shape.ffn_matrices - 1) * shape.ffn
+    down = shape.ffn + h
+    return (qkv + projection + up + down) * shape.bytes_per_element
+
+
+def head_activation_bytes_per_token(shape: ModelShape) -> int:
+    """Last stage extras per token: final-norm input h, output-layer input h (bf16) and the
+    softmax of the logits that cross-entropy keeps for its backward, V values in fp32."""
+    return 2 * shape.hidden * shape.bytes_per_element + shape.vocab * FP32
+
+
+def head_weight_share_bytes_per_token(shape: ModelShape) -> int:
+    """Output-layer weight gradient operands per token: its input h and the logits' gradient V."""
+    return shape.hidden * shape.bytes_per_element + shape.vocab * FP32
+
+
+def even_layers(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per stage, as even as possible; the first stages take the remainder so the last
+    stage, which also runs the output layer, stays the lightest."""
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
+
+
+@dataclass
+class FlopCosts:
+    """CostModel for ``shape`` at ``seq_length`` tokens, ``micro_batch_size`` sequences per
+    microbatch, split over ``num_stages`` virtual stages. Times in seconds, memory in bytes."""
+
+    shape: ModelShape
+    seq_length: int
+    num_stages: int
+    micro_batch_size: int = 1
+    slice_lengths: list[int] | None = None  # default: one slice, the whole sequence
+    layers_per_stage: list[int] | None = None  # default: even_layers(shape.layers, num_stages)
+    peak_flops: float = 400e12  # FLOP/s of one GPU
+    utilisation: float = 0.5  # share of the peak that GEMMs and attention actually reach
+    p2p_bandwidth: float = 50e9  # bytes/s between neighbouring pipeline ranks
+    p2p_latency: float = 10e-6  # seconds per message
+    microbatch_activation: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.slice_lengths is None:
+            self.slice_lengths = [self.seq_length]
+        if sum(self.slice_lengths) != self.seq_length or min(self.slice_lengths) < 1:
+            raise ValueError(
+                f"slice lengths {self.slice_lengths} must be positive and sum to --seq-length "
+                f"{self.seq_length}"
+            )
+        if self.layers_per_stage is None:
+            self.layers_per_stage = even_layers(self.shape.layers, self.num_stages)
+        if len(self.layers_per_stage) != self.num_stages:
+            raise ValueError(
+                f"layers_per_stage lists {len(self.layers_per_stage)} stages, the schedule has "
+                f"{self.num_stages}"
+            )
+        if self.peak_flops * self.utilisation <= 0 or self.p2p_bandwidth <= 0:
+            raise ValueError("peak_flops, utilisation and p2p_bandwidth must be positive")
+        self._ends = [sum(self.slice_lengths[: j + 1]) for j in range(len(self.slice_lengths))]
+        self.microbatch_activation = float(
+            sum(self.layers_per_stage)
+            * self.micro_batch_size
+            * self.seq_length
+            * layer_activation_bytes_per_token(self.shape)
+        )
+
+    # ---- FLOPs ---------------------------------------------------------------------------
+
+    def _tokens(self, op: Op) -> int:
+        return self.micro_batch_size * self.slice_lengths[op.slice]
+
+    def _layer_gemm_flops(self, op: Op) -> float:
+        return float(self.shape.layer_linear_flops_per_token() * self._tokens(op))
+
+    def _layer_attention_flops(self, op: Op) -> float:
+        pairs = causal_pairs(self.slice_lengths[op.slice], self._ends[op.slice])
+        return float(self.shape.attention_flops_per_pair() * pairs * self.micro_batch_size)
+
+    def _head_gemm_flops(self, op: Op) -> float:
+        if op.stage != self.num_stages - 1:
+            return 0.0
+        return float(2 * self._tokens(op) * self.shape.hidden * self.shape.vocab)
+
+    def flops(self, op: Op) -> float:
+        """FLOPs of a compute op (0 for communication ops)."""
+        layers = self.layers_per_stage[op.stage]
+        gemm = layers * self._layer_gemm_flops(op) + self._head_gemm_flops(op)
+        attention = layers * self._layer_attention_flops(op)
+        if op.kind == OpKind.F:
+            return gemm + attention
+        if op.kind == OpKind.B:
+            return gemm + 2 * attention
+        if op.kind == OpKind.W:
+            return gemm
+        if op.kind == OpKind.BW:
+            return 2 * gemm + 2 * attention
+        return 0.0
+
+    # ---- CostModel -----------------------------------------------------------------------
+
+    def duration(self, op: Op) -> float:
+        return self.flops(op) / (self.peak_flops * self.utilisation)
+
+    def _bytes(self, op: Op, per_layer: int, head: int) -> float:
+        per_token = self.layers_per_stage[op.stage] * per_layer
+        if op.stage == self.num_stages - 1:
+            per_token += head
+        return float(per_token * self._tokens(op))
+
+    def activation(self, op: Op) -> float:
+        return self._bytes(
+            op, layer_activation_bytes_per_token(self.shape), head_activation_bytes_per_token(self.shape)
+        )
+
+    def weight_share(self, op: Op) -> float:
+        return self._bytes(
+            op,
+            layer_weight_share_bytes_per_token(self.shape),
+            head_weight_share_bytes_per_token(self.shape),
+        )
+
+    def comm_latency(self, op: Op) -> float:
+        """One hidden-state tensor (or its gradient) of the op's slice: s*b*h elements."""
+        size = self._tokens(op) * self.shape.hidden * self.shape.bytes_per_element
+        return size / self.p2p_bandwidth + self.p2p_latency
+
+
+def flop_costs_for(
+    model: str | ModelShape,
+    schedule: Schedule,
+    seq_length: int,
+    micro_batch_size: int = 1,
+    partition: str = "uniform",
+    unit: int = DEFAULT_UNIT,
+    **options: float,
+) -> FlopCosts:
+    """FlopCosts sized for ``schedule`` (its stages and slices), cutting the sequence the way
+    ``partition`` says. Unknown model names raise KeyError; bad cuts raise PartitionError."""
+    shape = get_model(model) if isinstance(model, str) else model
+    lengths = slice_lengths(partition, shape, seq_length, schedule.slices, unit)
+    return FlopCosts(
+        shape=shape,
+        seq_length=seq_length,
+        num_stages=schedule.num_stages,
+        micro_batch_size=micro_batch_size,
+        slice_lengths=lengths,
+        **options,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,250 @@
+"""Pictures of a simulated schedule: a timeline image and a Chrome/Perfetto trace.
+
+The image has one row per rank (F/B/W/BW boxes coloured by kind, lighter for later model chunks,
+labelled ``microbatch.slice``) with that rank's activation-memory curve, in units of M, right under
+it. The trace (``traceEvents`` with complete "X" events, one process per rank, plus a memory
+counter track) opens in ui.perfetto.dev or chrome://tracing for zooming into long schedules.
+
+matplotlib is imported inside :func:`plot_timeline` so the schedule core stays import-light.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .ir import OpKind
+from .simulate import Event, SimResult
+
+KIND_COLOURS = {
+    OpKind.F: "#3f7fc8",
+    OpKind.B: "#3ea860",
+    OpKind.W: "#9a6fc0",
+    OpKind.BW: "#d9534f",
+}
+LABEL_FONT_PT = 6.5
+LEFT, RIGHT = 0.065, 0.985  # figure fractions around the axes
+MAX_LABELS = 5000  # beyond this many readable boxes, text costs more time than it helps
+
+
+def op_label(event: Event, num_slices: int) -> str:
+    """``microbatch.slice``, or just ``microbatch`` when sequences are not sliced."""
+    op = event.op
+    return f"{op.microbatch}.{op.slice}" if num_slices > 1 else str(op.microbatch)
+
+
+def trace_name(event: Event, num_slices: int) -> str:
+    """``F 3.1 s2``: kind, microbatch[.slice], virtual stage."""
+    return f"{event.op.kind.value} {op_label(event, num_slices)} s{event.op.stage}"
+
+
+def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
+    """Blend toward white for later chunks so chunk 0 is the darkest."""
+    rgb = [int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    mix = 0.0 if chunks <= 1 else 0.5 * chunk / (chunks - 1)
+    return (rgb[0] + (1 - rgb[0]) * mix, rgb[1] + (1 - rgb[1]) * mix, rgb[2] + (1 - rgb[2]) * mix)
+
+
+def _text_colour(fill: tuple[float, float, float]) -> str:
+    """White on dark boxes, near-black on the light shades of later chunks."""
+    luminance = 0.299 * fill[0] + 0.587 * fill[1] + 0.114 * fill[2]
+    return "white" if luminance < 0.6 else "#222222"
+
+
+def _time_of(point: tuple[float, float]) -> float:
+    return point[0]
+
+
+def _title(result: SimResult) -> str:
+    s = result.schedule
+    peaks = result.peak_memory_m
+    worst = max(range(len(peaks)), key=peaks.__getitem__) if peaks else 0
+    partition = s.meta.get("partition")
+    cut = f" ({partition})" if s.slices > 1 and partition else ""
+    return (
+        f"{s.name}: p={s.pp} m={s.microbatches} v={s.vpp} k={s.slices}{cut}   "
+        f"bubble {result.bubble_rate:.1%}   peak {max(peaks, default=0.0):.3f} M (rank {worst}), "
+        f"rank 0 {peaks[0] if peaks else 0.0:.3f} M"
+    )
+
+
+def _time_scale(result: SimResult, time_unit: str) -> tuple[float, str]:
+    """Multiplier and axis label; seconds become milliseconds when the whole run is under 1 s."""
+    if time_unit == "s" and 0 < result.makespan < 1:
+        return 1e3, "time (ms)"
+    return 1.0, f"time ({time_unit})" if time_unit else "time"
+
+
+def plot_timeline(
+    result: SimResult,
+    path: str,
+    *,
+    time_unit: str = "",
+    width_in: float = 16.0,
+    dpi: int = 130,
+) -> None:
+    """Write the timeline to ``path``; PNG or SVG (or anything matplotlib knows) by suffix.
+
+    ``time_unit`` labels the x axis ("s" for the FLOP cost model, whose times are seconds; leave
+    empty for the unit-free uniform model).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    schedule = result.schedule
+    pp, chunks, num_slices = schedule.pp, schedule.vpp, schedule.slices
+    scale, xlabel = _time_scale(result, time_unit)
+    makespan = result.makespan * scale or 1.0
+
+    row_in, mem_in = 0.5, 0.4
+    height_in = 1.1 + pp * (row_in + mem_in)
+    fig = plt.figure(figsize=(width_in, height_in), dpi=dpi)
+    grid = fig.add_gridspec(
+        2 * pp,
+        1,
+        height_ratios=[row_in, mem_in] * pp,
+        hspace=0.08,
+        left=LEFT,
+        right=RIGHT,
+        top=1 - 0.75 / height_in,
+        bottom=0.45 / height_in,
+    )
+    first_axis = fig.add_subplot(grid[0])
+    op_axes = [first_axis] + [fig.add_subplot(grid[2 * r], sharex=first_axis) for r in range(1, pp)]
+    mem_axes = [fig.add_subplot(grid[2 * r + 1], sharex=first_axis) for r in range(pp)]
+
+    # Label only boxes wide enough for their text: widths in points, from axes width in inches.
+    axis_width_pt = width_in * (RIGHT - LEFT) * 72
+    char_pt = LABEL_FONT_PT * 0.62
+    labels_left = MAX_LABELS
+
+    by_rank: list[list[Event]] = [[] for _ in range(pp)]
+    for event in result.events:
+        by_rank[event.rank].append(event)
+
+    for rank, axis in enumerate(op_axes):
+        polygons: list[list[tuple[float, float]]] = []
+        colours: list[tuple[float, float, float]] = []
+        texts: list[tuple[float, str, str]] = []
+        for event in by_rank[rank]:
+            start, end = event.start * scale, event.end * scale
+            polygons.append([(start, 0.0), (end, 0.0), (end, 1.0), (start, 1.0)])
+            chunk = schedule.placement.chunk_index(event.op.stage)
+            colours.append(_shade(KIND_COLOURS[event.op.kind], chunk, chunks))
+            label = op_label(event, num_slices)
+            box_pt = (end - start) / makespan * axis_width_pt
+            if labels_left > 0 and box_pt >= char_pt * len(label) + 2:
+                texts.append(((start + end) / 2, label, _text_colour(colours[-1])))
+                labels_left -= 1
+        axis.add_collection(PolyCollection(polygons, facecolors=colours, edgecolors="white", linewidths=0.4))
+        for x, label, colour in texts:
+            axis.text(x, 0.5, label, ha="center", va="center", fontsize=LABEL_FONT_PT, color=colour)
+        axis.set_ylim(0, 1)
+        axis.set_yticks([])
+        axis.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center", fontsize=9)
+        axis.tick_params(labelbottom=False, bottom=False)
+        for side in ("top", "right", "left"):
+            axis.spines[side].set_visible(False)
+
+    peak_m = max(result.peak_memory_m, default=0.0) or 1.0
+    unit = result.microbatch_activation or 1.0
+    for rank, axis in enumerate(mem_axes):
+        curve = result.memory_curves[rank] if rank < len(result.memory_curves) else [(0.0, 0.0)]
+        curve = sorted(curve, key=_time_of)  # stable: same-time changes keep their order
+        times = [t * scale for t, _ in curve] + [makespan]
+        values = [v / unit for _, v in curve]
+        values.append(values[-1])
+        axis.fill_between(times, values, step="post", color="#f0ad4e", alpha=0.45, linewidth=0)
+        axis.step(times, values, where="post", color="#b8741a", linewidth=0.8)
+        axis.set_ylim(0, peak_m * 1.15)
+        axis.set_yticks([0, round(peak_m, 2)])
+        axis.tick_params(axis="y", labelsize=6.5, length=2, pad=1)
+        axis.set_ylabel(
+            f"peak\n{result.peak_memory_m[rank]:.3f} M",
+            rotation=0,
+            ha="right",
+            va="center",
+            fontsize=7,
+            color="#7a4d10",
+        )
+        if rank < pp - 1:
+            axis.tick_params(labelbottom=False)
+        for side in ("top", "right"):
+            axis.spines[side].set_visible(False)
+    mem_axes[-1].set_xlabel(xlabel, fontsize=9)
+    first_axis.set_xlim(0, makespan)
+
+    kinds = [kind for kind in KIND_COLOURS if any(e.op.kind == kind for e in result.events)]
+    handles = [Patch(color=KIND_COLOURS[kind], label=kind.value) for kind in kinds]
+    handles.append(Patch(color="#f0ad4e", alpha=0.6, label="activation memory (M)"))
+    fig.legend(
+        handles=handles,
+        loc="upper right",
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(RIGHT, 1 - 0.32 / height_in),
+    )
+    fig.suptitle(_title(result), x=LEFT, y=1 - 0.12 / height_in, ha="left", va="top", fontsize=10)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def trace_events(result: SimResult, microseconds_per_unit: float = 1e6) -> dict[str, Any]:
+    """Chrome trace dict: one process per rank, an "X" event per op, a memory counter (in M).
+
+    ``microseconds_per_unit`` converts simulated time to the trace's microseconds: 1e6 when the
+    cost model counts seconds (the FLOP model); unit-free models then read as seconds.
+    """
+    schedule = result.schedule
+    unit = result.microbatch_activation or 1.0
+    events: list[dict[str, Any]] = []
+    for rank in range(schedule.pp):
+        events.append(
+            {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}}
+        )
+        events.append(
+            {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}}
+        )
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}})
+    for event in result.events:
+        op = event.op
+        events.append(
+            {
+                "name": trace_name(event, schedule.slices),
+                "cat": op.kind.value,
+                "ph": "X",
+                "pid": event.rank,
+                "tid": 0,
+                "ts": event.start * microseconds_per_unit,
+                "dur": (event.end - event.start) * microseconds_per_unit,
+                "args": {
+                    "stage": op.stage,
+                    "chunk": schedule.placement.chunk_index(op.stage),
+                    "microbatch": op.microbatch,
+                    "slice": op.slice,
+                },
+            }
+        )
+    for rank, curve in enumerate(result.memory_curves):
+        for time, value in sorted(curve, key=_time_of):
+            events.append(
+                {
+                    "name": "activation",
+                    "ph": "C",
+                    "pid": rank,
+                    "ts": time * microseconds_per_unit,
+                    "args": {"M": value / unit},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": result.to_dict()}
+
+
+def write_trace(result: SimResult, path: str, microseconds_per_unit: float = 1e6) -> None:
+    """Write :func:`trace_events` as JSON to ``path`` (open it in ui.perfetto.dev)."""
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(trace_events(result, microseconds_per_unit), handle)
