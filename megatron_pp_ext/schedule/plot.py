@@ -180,6 +180,11 @@ def plot_timeline(
 
     kinds = [kind for kind in KIND_COLOURS if any(e.op.kind == kind for e in result.events)]
     handles = [Patch(color=KIND_COLOURS[kind], label=kind.value) for kind in kinds]
+    if chunks > 1:
+        shades = [_shade(KIND_COLOURS[OpKind.F], c, chunks) for c in (0, chunks - 1)]
+        handles.append(
+            Patch(facecolor=shades[1], edgecolor=shades[0], label=f"lighter: later chunk (v={chunks})")
+        )
     handles.append(Patch(color="#f0ad4e", alpha=0.6, label="activation memory (M)"))
     fig.legend(
         handles=handles,
