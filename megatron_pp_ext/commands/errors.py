@@ -4,9 +4,10 @@ from __future__ import annotations
 
 
 class UsageError(Exception):
-    def __init__(self, flag: str, message: str) -> None:
+    def __init__(self, flag: str, message: str, flag_in_message: bool = False) -> None:
         super().__init__(message)
         self.flag = flag
+        self.flag_in_message = flag_in_message or flag in message
 
     def __str__(self) -> str:
-        return f"{self.flag}: {self.args[0]}"
+        return self.args[0] if self.flag_in_message else f"{self.flag}: {self.args[0]}"

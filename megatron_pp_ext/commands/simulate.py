@@ -129,20 +129,20 @@ def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
         validate(schedule)
     except ScheduleError as error:
         raise UsageError("--schedule-file" if args.schedule_file else "--schedule", str(error)) from None
+    from ..schedule.partition import PartitionError
+
     try:
         model = cost_model(args, schedule, costs)
-    except (KeyError, ValueError) as error:
-        flag = "--model" if isinstance(error, KeyError) else "--seq-length"
-        message = error.args[0] if error.args else str(error)
-        if isinstance(error, ValueError) and "--slices" in str(message):
-            flag = "--slices"
-        raise UsageError(flag, str(message)) from None
+    except PartitionError as error:
+        raise UsageError(error.flag, str(error), flag_in_message=True) from None
+    except KeyError as error:
+        raise UsageError("--model", str(error.args[0]), flag_in_message=True) from None
     return simulate(schedule, model)
 
 
-def _row(result: SimResult) -> dict[str, Any]:
+def _row(result: SimResult, in_bytes: bool = False) -> dict[str, Any]:
     data = result.to_dict()
-    return {
+    row = {
         "schedule": data["schedule"],
         "v": data["vpp"],
         "k": data["slices"],
@@ -151,6 +151,9 @@ def _row(result: SimResult) -> dict[str, Any]:
         "peak M (rank 0)": f"{data['peak_memory_m'][0]:.3f}",
         "peak M (max)": f"{max(data['peak_memory_m']):.3f}",
     }
+    if in_bytes:
+        row["peak GiB (max)"] = f"{max(data['peak_memory_bytes']) / 2**30:.2f}"
+    return row
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -171,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
-    print(format_table([_row(result)]))
+    print(format_table([_row(result, in_bytes=args.model is not None)]))
     per_rank = ", ".join(
         f"r{r}: bubble {b:.3f} peak {m:.3f}M"
         for r, (b, m) in enumerate(zip(result.bubble_rate_per_rank, result.peak_memory_m))
@@ -191,7 +194,7 @@ def run_all(args: argparse.Namespace) -> int:
             rows.append({"schedule": name, "v": "-", "k": "-", "makespan": f"n/a: {error.flag}"})
             results.append({"schedule": name, "error": str(error)})
             continue
-        rows.append(_row(result))
+        rows.append(_row(result, in_bytes=args.model is not None))
         results.append(result.to_dict())
     if args.json:
         print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "schedules": results}))
@@ -206,7 +209,7 @@ def write_pictures(args: argparse.Namespace, result: SimResult) -> None:
     from ..schedule import plot
 
     if args.plot:
-        plot.plot_timeline(result, args.plot)
+        plot.plot_timeline(result, args.plot, time_unit="s" if args.model else "")
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.trace:
         plot.write_trace(result, args.trace)
