@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Print the comparison of every schedule against REFERENCE.md's table (unit costs F=B=W=1).
+
+    python scripts/schedule_table.py > docs/schedule_table.md
+
+B is 1F1B's bubble rate (p-1)/(m+p-1); M is one microbatch's activation over all layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_pp_ext.schedule.generators import SCHEDULES, RequestError, generate
+from megatron_pp_ext.schedule.simulate import simulate
+
+# schedule -> (bubble as a multiple of B, rank-0 peak in M) from REFERENCE.md section 3.
+TARGETS: dict[str, tuple[str, str]] = {
+    "1f1b": ("B", "M"),
+    "interleaved-1f1b": ("B/v", "M(1+1/v)"),
+    "zb-h1": ("B/3", "M"),
+    "zb-h2": ("0", "2M"),
+    "zb-auto": ("(limit-dependent)", "<= limit"),
+    "v-min": ("2B/3", "M/3"),
+    "v-half": ("B/2", "M/2"),
+    "v-zb": ("0", "M"),
+    "dualpipev": ("(p/2-1)(F&B+B-3W)", "(p+1)/(2p) M"),
+}
+
+
+def rows(pp: int, microbatches: int) -> list[str]:
+    one_f_one_b = (pp - 1) / (microbatches + pp - 1)
+    out = [
+        f"\n### p={pp}, m={microbatches} (B = {one_f_one_b:.3f})\n",
+        "| schedule | v | bubble | bubble / B | reference bubble | peak rank 0 (M) | max peak (M) | reference peak |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, spec in SCHEDULES.items():
+        try:
+            result = simulate(generate(name, pp, microbatches))
+        except RequestError as error:
+            out.append(f"| {name} | - | n/a: {error} | | | | | |")
+            continue
+        bubble_target, peak_target = TARGETS.get(name, ("-", "-"))
+        out.append(
+            f"| {name} | {result.schedule.vpp} | {result.bubble_rate:.3f} | "
+            f"{result.bubble_rate / one_f_one_b:.2f} | {bubble_target} | {result.peak_memory_m[0]:.3f} | "
+            f"{max(result.peak_memory_m):.3f} | {peak_target} |"
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="4x8,4x16,8x16,8x32", help="PxM pairs")
+    args = parser.parse_args()
+    lines: list[str] = []
+    for size in args.sizes.split(","):
+        pp, microbatches = (int(x) for x in size.split("x"))
+        lines += rows(pp, microbatches)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
