@@ -1,0 +1,1 @@
+"""megatron-core side of megatron_pp_ext: model chunks, layer specs, attention."""

@@ -1,0 +1,76 @@
+"""Transformer-layer specs for our model chunks.
+
+The local spec is Megatron's own GPT layer (SelfAttention + MLP, pre-norm, RMSNorm through
+``WrappedTorchNorm``) with two substitutions: core attention on PyTorch SDPA (Megatron's local
+DotProductAttention needs CUDA) and Megatron's linears replaced by subclasses whose weight gradient
+can be deferred to a W op (the B/W split). On a GPU with Transformer Engine importable, the TE spec
+is used instead; its weight gradients are then split by the generic path (computed at B, applied
+at W), see ``runtime/weight_grad.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from ..runtime.weight_grad import DeferrableColumnParallelLinear, DeferrableRowParallelLinear
+from .attention import SDPAttention
+
+
+def local_layer_spec() -> ModuleSpec:
+    """Megatron's local GPT layer with SDPA core attention and deferrable linears; runs on CPU."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=DeferrableColumnParallelLinear,
+                    core_attention=SDPAttention,
+                    linear_proj=DeferrableRowParallelLinear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=DeferrableColumnParallelLinear, linear_fc2=DeferrableRowParallelLinear
+                ),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def te_available() -> bool:
+    """True when Transformer Engine can be used: importable and a CUDA device present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(use_te: bool | None = None) -> ModuleSpec:
+    """The TE spec when ``use_te`` (default: when TE is available), else :func:`local_layer_spec`."""
+    if use_te is None:
+        use_te = te_available()
+    if not use_te:
+        return local_layer_spec()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec()

@@ -1,0 +1,263 @@
+"""Model chunks from megatron-core: a tiny Llama-style GPT, cut into pipeline stages.
+
+Each virtual stage is megatron-core's own ``GPTModel``: the first stage has the embedding, the
+last has the final norm, the output layer and the loss; layer counts per stage may be uneven.
+Each stage model is built as a self-contained GPTModel (its TransformerConfig has the stage's
+layer count and ``pipeline_model_parallel_size=1``) so that any placement (interleaved, V-shape)
+works without teaching Megatron's layer-offset arithmetic about it.
+
+For exactness tests, :func:`build_reference` builds the whole model in one process and
+:func:`copy_from_reference` copies its weights into a stage by global layer index;
+:func:`reference_name` maps a stage parameter name back to the reference.
+
+Megatron's parallel state must give every pipeline its own data-parallel group:
+:func:`init_parallel_state` initialises it with TP=1 and PP = the pipeline size, and
+:func:`check_parallel_state` refuses a state whose data-parallel group would span our stages.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .layer_spec import layer_spec
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A tiny Llama-style model: RMSNorm, SwiGLU, rotary, no biases, untied output layer, GQA."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_kv_heads: int = 2
+    ffn_hidden_size: int = 128
+    vocab_size: int = 256
+    seq_length: int = 32
+    dtype: str = "float32"
+    rotary_base: int = 10000
+    norm_epsilon: float = 1e-5
+    init_std: float = 0.02
+    extra: dict = field(default_factory=dict)  # extra TransformerConfig fields
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_kv_heads (GQA groups)")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def transformer_config(model: ModelConfig, num_layers: int | None = None) -> TransformerConfig:
+    """The megatron-core TransformerConfig of ``model`` (or of one stage with ``num_layers``)."""
+    on_gpu = torch.cuda.is_available()
+    fields = dict(
+        num_layers=model.num_layers if num_layers is None else num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_kv_heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_std,
+        params_dtype=model.torch_dtype,
+        pipeline_dtype=model.torch_dtype,
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+    )
+    fields.update(model.extra)
+    config = TransformerConfig(**fields)
+    check_supported(config)
+    return config
+
+
+def check_supported(config: TransformerConfig) -> None:
+    """The runtime pipelines whole layers over ranks; tensor, sequence and context parallelism
+    would need collectives inside a stage that it does not drive."""
+    if config.tensor_model_parallel_size != 1:
+        raise ValueError(
+            f"tensor_model_parallel_size={config.tensor_model_parallel_size} is not supported: "
+            "megatron_pp_ext runs TP=1 (one GPU per pipeline stage)"
+        )
+    if config.sequence_parallel:
+        raise ValueError("sequence_parallel is not supported: it needs TP>1, and megatron_pp_ext runs TP=1")
+    if config.context_parallel_size != 1:
+        raise ValueError(f"context_parallel_size={config.context_parallel_size} is not supported")
+
+
+def split_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] | None = None) -> list[int]:
+    """Layers per virtual stage. Given explicitly, it must sum to ``num_layers``; by default an
+    even split whose remainder goes to the middle stages (the ends carry embedding and loss)."""
+    if layers_per_stage is not None:
+        if len(layers_per_stage) != num_stages:
+            raise ValueError(f"layers_per_stage has {len(layers_per_stage)} entries for {num_stages} stages")
+        if sum(layers_per_stage) != num_layers:
+            raise ValueError(
+                f"layers_per_stage {layers_per_stage} sums to {sum(layers_per_stage)}, not {num_layers}"
+            )
+        if min(layers_per_stage) < 1:
+            raise ValueError(f"every stage needs at least one layer, got {layers_per_stage}")
+        return list(layers_per_stage)
+    if num_layers < num_stages:
+        raise ValueError(f"{num_layers} layers cannot fill {num_stages} stages (at least one layer each)")
+    base, extra = divmod(num_layers, num_stages)
+    counts = [base] * num_stages
+    order = (
+        list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
+    )
+    for stage in order[:extra]:
+        counts[stage] += 1
+    return counts
+
+
+def layer_offsets(layers_per_stage: list[int]) -> list[int]:
+    """Global index of the first layer of each stage."""
+    offsets, total = [], 0
+    for count in layers_per_stage:
+        offsets.append(total)
+        total += count
+    return offsets
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+class DeviceRotaryEmbedding(RotaryEmbedding):
+    """Megatron's RotaryEmbedding moves its frequencies to ``torch.cuda.current_device()`` on first
+    use; this one keeps them on the model's device, so the same model runs on CPU."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]
+
+
+def _gpt(
+    model: ModelConfig, num_layers: int, pre_process: bool, post_process: bool, use_te: bool | None
+) -> GPTModel:
+    config = transformer_config(model, num_layers)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(use_te),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=model.rotary_base,
+    )
+    device = _device()
+    if type(gpt.rotary_pos_emb) is RotaryEmbedding:
+        gpt.rotary_pos_emb.__class__ = DeviceRotaryEmbedding  # same state, device-agnostic get_emb
+        gpt.rotary_pos_emb.inv_freq = gpt.rotary_pos_emb.inv_freq.to(device)
+    # Torch norms are created in the default dtype whatever params_dtype says.
+    return gpt.to(device=device, dtype=model.torch_dtype)
+
+
+def build_stage(
+    model: ModelConfig, stage: int, layers_per_stage: list[int], use_te: bool | None = None
+) -> GPTModel:
+    """The GPTModel of virtual stage ``stage`` (embedding on stage 0, loss on the last)."""
+    last = len(layers_per_stage) - 1
+    if not 0 <= stage <= last:
+        raise ValueError(f"stage {stage} out of range 0..{last}")
+    return _gpt(model, layers_per_stage[stage], stage == 0, stage == last, use_te)
+
+
+def build_reference(model: ModelConfig, use_te: bool | None = None) -> GPTModel:
+    """The whole model in one GPTModel, without a pipeline."""
+    return _gpt(model, model.num_layers, True, True, use_te)
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def reference_name(stage_param_name: str, layer_offset: int) -> str:
+    """``decoder.layers.1.x`` of a stage whose first layer is global layer 4 is ``decoder.layers.5.x``."""
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", stage_param_name)
+
+
+@torch.no_grad()
+def copy_from_reference(reference: torch.nn.Module, stage_model: torch.nn.Module, layer_offset: int) -> None:
+    """Give ``stage_model`` the reference's weights, matched by global layer index."""
+    ref = dict(reference.named_parameters())
+    for name, param in stage_model.named_parameters():
+        source = ref.get(reference_name(name, layer_offset))
+        if source is None or source.shape != param.shape:
+            raise KeyError(
+                f"stage parameter {name} (layer offset {layer_offset}) has no reference counterpart"
+            )
+        param.copy_(source)
+
+
+def init_parallel_state(pp_size: int) -> None:
+    """Megatron's parallel state for our pipelines: TP=1, PP=``pp_size``, so data parallelism
+    never spans the stages of one pipeline. ``torch.distributed`` must be initialised."""
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("init_parallel_state needs torch.distributed to be initialised first")
+    if parallel_state.model_parallel_is_initialized():
+        check_parallel_state(pp_size)
+        return
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=pp_size,
+        create_gloo_process_groups=False,
+    )
+    check_parallel_state(pp_size)
+
+
+def check_parallel_state(pp_size: int) -> None:
+    """Refuse a parallel state with TP>1 or with a pipeline size other than ours (whose
+    data-parallel group would all-reduce gradients across our stages)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp != 1:
+        raise ValueError(f"Megatron parallel state has TP={tp}; megatron_pp_ext supports TP=1 only")
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp != pp_size:
+        raise ValueError(
+            f"Megatron parallel state has pipeline size {pp} but the schedule has {pp_size} ranks: "
+            "its data-parallel group would span pipeline stages; initialise it with "
+            f"pipeline_model_parallel_size={pp_size}"
+        )

@@ -1,0 +1,1 @@
+"""The runtime: executes one rank's lowered schedule on Megatron model chunks."""

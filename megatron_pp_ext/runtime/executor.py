@@ -1,0 +1,313 @@
+"""The executor: runs one rank's lowered op list on its model chunks.
+
+:class:`PipelineRuntime` is built once per pipeline rank (it creates the p2p groups) and runs
+one training step per :meth:`PipelineRuntime.step`, in the shape of Megatron's
+``forward_backward_func``: the user's ``forward_step_func``, one data iterator per chunk,
+``num_microbatches``, ``forward_only``; it returns the per-microbatch loss dicts on the rank that
+holds the last virtual stage (rank 0 for V-shape schedules) and an empty list elsewhere.
+
+Ops run strictly in list order. F/B/W/BW run on the chunk of their stage; RECV ops block (with
+a deadline, see ``p2p.py``), SEND ops are asynchronous and release the stage output's storage
+once sent (Megatron's ``deallocate_output_tensor``). Two consecutive stages on the same rank (the
+tip of a V) hand over in memory. Weight gradients land in ``param.grad`` (or ``main_grad``);
+zeroing them, finalising them (``finalize_model_grads``) and the optimizer step are the caller's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..schedule.ir import Op, OpKind, Schedule
+from ..schedule.lowering import lower
+from ..schedule.validate import validate
+from .memory import ActivationMeter, Hold
+from .p2p import PeerError, PipeComm
+from .stage import ForwardStepFunc, LossRecord, StageRunner, deallocate
+from .weight_grad import WeightGradStore
+
+ShapeFn = Callable[[Op], Sequence[int]]
+
+
+@dataclass
+class StepResult:
+    """One step of one rank. ``losses``: Megatron's forward_data_store (loss dicts in
+    microbatch order) on the loss rank, empty elsewhere."""
+
+    losses: list[Any]
+    num_tokens: int | Tensor
+    is_loss_rank: bool
+    peak_activation_bytes: int
+    peak_memory_allocated: int | None = None  # torch.cuda.max_memory_allocated on GPU
+    op_count: dict[str, int] = field(default_factory=dict)
+
+
+class PipelineError(RuntimeError):
+    """An op failed; the message names the rank and the op."""
+
+
+@functools.lru_cache(maxsize=64)
+def _prepared(schedule_json: str, forward_only: bool) -> Schedule:
+    schedule = Schedule.from_json(schedule_json)
+    if forward_only:
+        schedule = schedule.with_ranks(
+            [
+                [op for op in ops if op.kind in (OpKind.F, OpKind.SEND_F, OpKind.RECV_F)]
+                for ops in schedule.ranks
+            ]
+        )
+    lowered = lower(schedule)
+    validate(lowered)
+    return lowered
+
+
+def prepare(schedule: Schedule, forward_only: bool = False) -> Schedule:
+    """The lowered, validated schedule the executor runs (forward ops only if ``forward_only``)."""
+    return _prepared(schedule.to_json(), forward_only)
+
+
+class PipelineRuntime:
+    """Executes schedules on this rank's model chunks.
+
+    ``chunks[i]`` is this rank's i-th model chunk, i.e. the virtual stage ``s`` with
+    ``placement.chunk_index(s) == i``. ``tensor_shape`` is the activation shape passed between
+    stages (Megatron's ``(seq_length, micro_batch_size, hidden_size)``), or a function of the
+    RECV op for schedules whose messages differ in shape. ``config`` is the chunks'
+    TransformerConfig (``calculate_per_token_loss``, ``grad_scale_func``)."""
+
+    def __init__(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        comm: PipeComm,
+        tensor_shape: Sequence[int] | ShapeFn,
+        dtype: torch.dtype,
+        config: Any = None,
+        deallocate_outputs: bool = True,
+    ) -> None:
+        self.chunks = list(chunks)
+        self.comm = comm
+        self.rank = comm.rank
+        self.shape_of: ShapeFn = (
+            tensor_shape if callable(tensor_shape) else (lambda op, s=tuple(tensor_shape): s)
+        )
+        self.dtype = dtype
+        self.config = config if config is not None else getattr(self.chunks[0], "config", None)
+        self.deallocate_outputs = deallocate_outputs
+        self.device = next(self.chunks[0].parameters()).device
+        self.stores = [WeightGradStore() for _ in self.chunks]
+        self.meter = ActivationMeter()
+
+    # ------------------------------------------------------------------------------------------
+
+    def step(
+        self,
+        schedule: Schedule,
+        forward_step_func: ForwardStepFunc,
+        data_iterators: Sequence[Iterator[Any] | None] | Iterator[Any] | None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+    ) -> StepResult:
+        """Run ``schedule`` (lowered here if it is not) for this rank: one training step (or a
+        forward-only pass) over ``schedule.microbatches`` microbatches."""
+        if schedule.pp != self.comm.size:
+            raise ValueError(
+                f"schedule {schedule.name} has pp={schedule.pp}, the pipeline has {self.comm.size} ranks"
+            )
+        lowered = prepare(schedule, forward_only)
+        stages = lowered.placement.stages_of(self.rank)
+        if len(stages) != len(self.chunks):
+            raise ValueError(
+                f"rank {self.rank} holds stages {stages} under {schedule.name} "
+                f"but was given {len(self.chunks)} chunks"
+            )
+        iterators = self._iterators(data_iterators)
+        _check_forward_order(lowered, self.rank)
+
+        self.meter = ActivationMeter()
+        for chunk in self.chunks:
+            self.meter.exclude(chunk.parameters())
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        runners = {
+            stage: StageRunner(
+                self.chunks[lowered.placement.chunk_index(stage)],
+                stage,
+                lowered.num_stages,
+                self.config,
+                self.meter,
+                self.stores[lowered.placement.chunk_index(stage)],
+            )
+            for stage in stages
+        }
+        run = _StepRun(
+            self, lowered, runners, iterators, forward_step_func, forward_only, collect_non_loss_data
+        )
+        try:
+            run.execute()
+        except BaseException:
+            for runner in runners.values():
+                runner.discard()
+            self.comm.abandon()
+            raise
+        is_loss_rank = lowered.loss_rank == self.rank
+        losses = [run.losses.outputs[mb] for mb in sorted(run.losses.outputs)]
+        return StepResult(
+            losses=losses,
+            num_tokens=run.losses.num_tokens,
+            is_loss_rank=is_loss_rank,
+            peak_activation_bytes=self.meter.peak,
+            peak_memory_allocated=torch.cuda.max_memory_allocated(self.device)
+            if self.device.type == "cuda"
+            else None,
+            op_count=run.op_count,
+        )
+
+    def _iterators(self, data_iterators: Any) -> list[Iterator[Any] | None]:
+        if isinstance(data_iterators, (list, tuple)):
+            if len(data_iterators) != len(self.chunks):
+                raise ValueError(f"{len(data_iterators)} data iterators for {len(self.chunks)} chunks")
+            return list(data_iterators)
+        if len(self.chunks) != 1:
+            raise ValueError("with several model chunks, pass one data iterator per chunk (a list)")
+        return [data_iterators]
+
+
+def _check_forward_order(schedule: Schedule, rank: int) -> None:
+    """Each chunk's forward_step_func pulls its data from the chunk's iterator, so a chunk must
+    run its forwards in (microbatch, slice) order."""
+    last: dict[int, tuple[int, int]] = {}
+    for op in schedule.ranks[rank]:
+        if op.kind != OpKind.F:
+            continue
+        key = (op.microbatch, op.slice)
+        if op.stage in last and key < last[op.stage]:
+            raise ValueError(
+                f"rank {rank}: {op} runs after microbatch {last[op.stage]} of stage {op.stage}; "
+                "forwards of one stage must follow the data order"
+            )
+        last[op.stage] = key
+
+
+class _StepRun:
+    """State of one step on one rank: messages received and not yet used, outputs not yet sent."""
+
+    def __init__(
+        self,
+        runtime: PipelineRuntime,
+        schedule: Schedule,
+        runners: dict[int, StageRunner],
+        iterators: list[Iterator[Any] | None],
+        forward_step_func: ForwardStepFunc,
+        forward_only: bool,
+        collect_non_loss_data: bool,
+    ) -> None:
+        self.rt = runtime
+        self.schedule = schedule
+        self.runners = runners
+        self.iterators = iterators
+        self.forward_step_func = forward_step_func
+        self.forward_only = forward_only
+        self.collect_non_loss_data = collect_non_loss_data
+        self.losses = LossRecord()
+        # (kind, stage, microbatch, slice) -> (tensor, hold). Inbox: inputs of F (kind F) and
+        # output gradients of B/BW (kind B) of *this* stage. Outbox: what SEND ops send.
+        self.inbox: dict[tuple[str, int, int, int], tuple[Tensor, Hold]] = {}
+        self.outbox: dict[tuple[str, int, int, int], tuple[Tensor, Hold]] = {}
+        self.op_count: dict[str, int] = {}
+
+    def execute(self) -> None:
+        comm = self.rt.comm
+        for position, op in enumerate(self.schedule.ranks[self.rt.rank]):
+            self.op_count[op.kind.value] = self.op_count.get(op.kind.value, 0) + 1
+            try:
+                self._run(op)
+            except Exception as error:
+                if isinstance(error, (PipelineError, PeerError)):
+                    raise
+                raise PipelineError(
+                    f"rank {self.rt.rank}: op {op} (position {position}) failed: {error}"
+                ) from error
+            comm.reap()
+        comm.flush()
+        leftovers = [item for runner in self.runners.values() for item in runner.leftover()]
+        leftovers += [f"unused message {key}" for key in self.inbox] + [
+            f"unsent output {key}" for key in self.outbox
+        ]
+        if leftovers:
+            raise PipelineError(f"rank {self.rt.rank}: step ended with " + "; ".join(leftovers[:5]))
+
+    def _run(self, op: Op) -> None:
+        kind = op.kind
+        if kind == OpKind.F:
+            self._forward(op)
+        elif kind in (OpKind.B, OpKind.BW):
+            self._backward(op, split=kind == OpKind.B)
+        elif kind == OpKind.W:
+            self.runners[op.stage].weight((op.microbatch, op.slice))
+        elif kind in (OpKind.RECV_F, OpKind.RECV_B):
+            direction = "F" if kind == OpKind.RECV_F else "B"
+            tensor = self.rt.comm.recv(
+                self.rt.shape_of(op), self.rt.dtype, self.rt.device, op.peer, direction, str(op)
+            )
+            self.inbox[(direction, op.stage, op.microbatch, op.slice)] = (tensor, self.rt.meter.hold(tensor))
+        elif kind in (OpKind.SEND_F, OpKind.SEND_B):
+            direction = "F" if kind == OpKind.SEND_F else "B"
+            tensor, hold = self.outbox.pop((direction, op.stage, op.microbatch, op.slice))
+            self.rt.comm.send(tensor, op.peer, direction, str(op), on_done=hold.release)
+        else:
+            raise PipelineError(f"rank {self.rt.rank}: unknown op {op}")
+
+    def _take(self, direction: str, stage: int, op: Op) -> Tensor:
+        item = self.inbox.pop((direction, stage, op.microbatch, op.slice), None)
+        if item is None:
+            raise PipelineError(
+                f"rank {self.rt.rank}: {op} has no {'input' if direction == 'F' else 'output gradient'}"
+            )
+        tensor, hold = item
+        hold.release()  # the runner holds what it keeps
+        return tensor
+
+    def _emit(self, direction: str, to_stage: int, op: Op, tensor: Tensor) -> None:
+        """Hand ``tensor`` on: in memory if ``to_stage`` is on this rank, else to a SEND op."""
+        key = (direction, to_stage, op.microbatch, op.slice)
+        local = self.schedule.placement.rank_of(to_stage) == self.rt.rank
+        box = self.inbox if local else self.outbox
+        box[key if local else (direction, op.stage, op.microbatch, op.slice)] = (
+            tensor,
+            self.rt.meter.hold(tensor),
+        )
+
+    def _forward(self, op: Op) -> None:
+        runner = self.runners[op.stage]
+        input_tensor = None if runner.is_first else self._take("F", op.stage, op)
+        chunk_index = self.schedule.placement.chunk_index(op.stage)
+        output = runner.forward(
+            (op.microbatch, op.slice),
+            input_tensor,
+            self.forward_step_func,
+            self.iterators[chunk_index],
+            self.schedule.microbatches,
+            self.losses,
+            self.forward_only,
+            self.collect_non_loss_data,
+        )
+        if output is None:
+            return
+        handoff = output.detach()
+        if self.rt.deallocate_outputs and not self.forward_only:
+            deallocate(output)
+        self._emit("F", op.stage + 1, op, handoff)
+
+    def _backward(self, op: Op, split: bool) -> None:
+        runner = self.runners[op.stage]
+        output_grad = None if runner.is_last else self._take("B", op.stage, op)
+        input_grad = runner.backward((op.microbatch, op.slice), output_grad, split)
+        if not runner.is_first:
+            if input_grad is None:
+                raise PipelineError(f"rank {self.rt.rank}: {op} produced no input gradient")
+            self._emit("B", op.stage - 1, op, input_grad)

@@ -1,0 +1,207 @@
+"""Point-to-point transfers between pipeline ranks, with a deadline on every wait.
+
+Sends are asynchronous (``isend``; the buffer stays referenced until the transfer completes),
+receives block. Every message goes on one of four process groups, one per channel kind:
+(forward or backward) x (towards a higher or a lower rank). On each group a pair of ranks then
+exchanges messages one way only, in the order the schedule validator checks, so NCCL (which
+matches p2p messages in order and serialises a pair's traffic on one stream) cannot cross two
+messages or deadlock a send behind a receive. Gloo (CPU) behaves the same way.
+
+A receive that does not complete within ``timeout_s`` — the peer died, hangs or never sends —
+raises :class:`PeerError` naming this rank, the op and the peer, instead of hanging.
+
+Gloo send handles never report completion without a blocking ``wait()``, so on gloo a helper
+thread waits on each send in turn (``wait`` releases the GIL) and marks it done; the send buffer
+is released as soon as it is out, which keeps the activation accounting honest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class PeerError(RuntimeError):
+    """A transfer with another pipeline rank failed or timed out."""
+
+
+@dataclass
+class _PendingSend:
+    work: dist.Work
+    buffer: Tensor
+    what: str
+    peer: int
+    on_done: Callable[[], None] | None
+    finished: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class _SendWaiter:
+    """A daemon thread that waits on gloo sends in issue order and marks each finished."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._queue: queue.Queue[_PendingSend | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="pipe-send-waiter", daemon=True)
+        self._thread.start()
+
+    def watch(self, pending: _PendingSend) -> None:
+        self._queue.put(pending)
+
+    def _loop(self) -> None:
+        while True:
+            pending = self._queue.get()
+            if pending is None:
+                return
+            try:
+                pending.work.wait(self._timeout)
+            except BaseException as error:  # reported by the main thread
+                pending.error = error
+            pending.finished.set()
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+class PipeComm:
+    """P2P between the ranks of one pipeline. ``ranks[i]`` is the global rank of pipeline rank i.
+
+    Construction is collective over the default group: every process must create its PipeComm
+    objects in the same order (``new_group`` semantics)."""
+
+    def __init__(self, ranks: Sequence[int] | None = None, timeout_s: float = 300.0) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("PipeComm needs torch.distributed to be initialised")
+        self.ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
+        me = dist.get_rank()
+        if me not in self.ranks:
+            raise ValueError(f"global rank {me} is not in the pipeline {self.ranks}")
+        self.rank = self.ranks.index(me)
+        self.size = len(self.ranks)
+        self.timeout_s = float(timeout_s)
+        self.backend = dist.get_backend()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._groups = {
+            (direction, upward): dist.new_group(self.ranks, timeout=timeout)
+            for direction in ("F", "B")
+            for upward in (True, False)
+        }
+        self._pending: list[_PendingSend] = []
+        self._waiter = _SendWaiter(self.timeout_s) if self.backend == "gloo" else None
+
+    def _group(self, direction: str, sender: int, receiver: int) -> dist.ProcessGroup:
+        return self._groups[(direction, receiver > sender)]
+
+    # ---- sends -------------------------------------------------------------------------------
+
+    def send(
+        self, tensor: Tensor, peer: int, direction: str, what: str, on_done: Callable[[], None] | None = None
+    ) -> None:
+        """Start sending ``tensor`` to pipeline rank ``peer``; ``on_done`` runs once it is out."""
+        buffer = tensor.detach().contiguous()
+        group = self._group(direction, self.rank, peer)
+        try:
+            work = dist.isend(buffer, dst=self.ranks[peer], group=group)
+        except RuntimeError as error:
+            raise PeerError(f"rank {self.rank}: {what} to rank {peer} failed: {error}") from error
+        pending = _PendingSend(work, buffer, what, peer, on_done)
+        self._pending.append(pending)
+        if self._waiter is not None:
+            self._waiter.watch(pending)
+        self.reap()
+
+    def _is_done(self, pending: _PendingSend) -> bool:
+        if self._waiter is not None:
+            return pending.finished.is_set()
+        return pending.work.is_completed()
+
+    def reap(self) -> None:
+        """Release the buffers of sends that have completed."""
+        still: list[_PendingSend] = []
+        for pending in self._pending:
+            if self._is_done(pending):
+                self._finish(pending)
+            else:
+                still.append(pending)
+        self._pending = still
+
+    def flush(self) -> None:
+        """Wait until every send has gone out (each within the timeout)."""
+        pending, self._pending = self._pending, []
+        for item in pending:
+            if self._waiter is not None:
+                if not item.finished.wait(self.timeout_s + 1.0):
+                    item.error = TimeoutError(f"no completion after {self.timeout_s:.1f}s")
+            else:
+                self._wait(item.work, f"{item.what} to", item.peer)
+            self._finish(item)
+
+    def _finish(self, pending: _PendingSend) -> None:
+        if pending.error is not None:
+            raise PeerError(
+                f"rank {self.rank}: {pending.what} to rank {pending.peer} did not complete "
+                f"(timeout {self.timeout_s:.1f}s): {pending.error}"
+            ) from pending.error
+        if self._waiter is None:
+            pending.work.wait()  # NCCL: order the current stream after the transfer
+        if pending.on_done is not None:
+            pending.on_done()
+
+    def close(self) -> None:
+        """Stop the helper thread (the process groups stay; they belong to torch.distributed)."""
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
+
+    def abandon(self) -> None:
+        """Forget pending sends (after a failure)."""
+        self._pending = []
+
+    # ---- receives ----------------------------------------------------------------------------
+
+    def recv(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        peer: int,
+        direction: str,
+        what: str,
+    ) -> Tensor:
+        """Receive a tensor from pipeline rank ``peer``; raise :class:`PeerError` on timeout."""
+        buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
+        group = self._group(direction, peer, self.rank)
+        try:
+            work = dist.irecv(buffer, src=self.ranks[peer], group=group)
+        except RuntimeError as error:
+            raise PeerError(f"rank {self.rank}: {what} from rank {peer} failed: {error}") from error
+        self._wait(work, f"{what} from", peer)
+        return buffer
+
+    def _wait(self, work: dist.Work, what: str, peer: int) -> None:
+        start = time.monotonic()
+        try:
+            if self.backend == "gloo":
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
+            else:
+                # NCCL's wait() does not block the host, so a dead peer would hang a later
+                # synchronisation instead: poll with a deadline.
+                while not work.is_completed():
+                    if time.monotonic() - start > self.timeout_s:
+                        raise TimeoutError(f"no completion after {self.timeout_s:.1f}s")
+                    time.sleep(0.0002)
+                work.wait()
+        except (RuntimeError, TimeoutError) as error:
+            waited = time.monotonic() - start
+            raise PeerError(
+                f"rank {self.rank}: {what} rank {peer} did not complete after {waited:.1f}s "
+                f"(timeout {self.timeout_s:.1f}s): {error}"
+            ) from error

@@ -1,0 +1,205 @@
+"""Compute ops of one model chunk (virtual stage): F, B, W and BW, through Megatron's contract.
+
+A forward calls ``chunk.set_input_tensor(input)`` and then the user's
+``forward_step_func(data_iterator, chunk) -> (output, loss_func)``; on the last stage
+``loss_func(output)`` returns ``(loss, num_tokens, reduced)`` or ``(loss, reduced)`` and the loss
+is normalised like Megatron's ``forward_step`` (by tokens unless ``calculate_per_token_loss``,
+and by the number of microbatches). The runner keeps what each unit needs until its backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .memory import ActivationMeter, Hold
+from .weight_grad import WeightGradStore, attach_store
+
+Key = tuple[int, int]  # (microbatch, slice)
+ForwardStepFunc = Callable[..., tuple[Any, Callable[..., Any] | None]]
+
+
+def run_backward(
+    output: Tensor, grad: Tensor | None, inputs: Sequence[Tensor] = (), accumulate: bool = False
+) -> tuple[Tensor | None, ...]:
+    """Backward from ``output`` through the C++ engine, like Megatron's ``custom_backward``:
+    the output may have been pseudo-freed (``.data`` replaced), so shapes are not checked.
+
+    With ``accumulate`` the gradients go into ``.grad`` of every leaf (a classic backward);
+    without, the gradients of ``inputs`` are returned and nothing is accumulated."""
+    if grad is None:
+        grad = torch.ones_like(output)
+    return torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+        tensors=(output,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=tuple(inputs),
+        allow_unreachable=True,
+        accumulate_grad=accumulate,
+    )
+
+
+def deallocate(tensor: Tensor) -> None:
+    """Megatron's ``deallocate_output_tensor``: keep ``grad_fn``, drop the storage."""
+    if tensor._base is None and tensor.numel() > 1:
+        tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
+
+
+@dataclass
+class LossRecord:
+    """What the loss stage collects over a step (Megatron's forward_data_store and token count)."""
+
+    outputs: dict[int, Any] = field(default_factory=dict)  # microbatch -> loss_reduced
+    num_tokens: int | Tensor = 0
+
+
+@dataclass
+class _Unit:
+    input: Tensor | None
+    output: Tensor
+    holds: list[Hold]
+
+
+class StageRunner:
+    """Runs F/B/W/BW of one chunk; holds the chunk's stashed units and its weight-gradient store."""
+
+    def __init__(
+        self,
+        chunk: torch.nn.Module,
+        stage: int,
+        num_stages: int,
+        config: Any,
+        meter: ActivationMeter,
+        store: WeightGradStore,
+    ) -> None:
+        self.chunk = chunk
+        self.stage = stage
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        self.config = config
+        self.meter = meter
+        self.store = store
+        self.uncovered = attach_store(chunk, store)
+        self._units: dict[Key, _Unit] = {}
+        self._w_holds: dict[Key, list[Hold]] = {}
+        store.on_hold = lambda key, tensors: self._w_holds.setdefault(key, []).extend(meter.hold_all(tensors))
+        store.on_release = lambda key: [h.release() for h in self._w_holds.pop(key, [])]
+
+    # ---- F -----------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        key: Key,
+        input_tensor: Tensor | None,
+        forward_step_func: ForwardStepFunc,
+        data_iterator: Iterator[Any] | None,
+        num_microbatches: int,
+        losses: LossRecord,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+    ) -> Tensor | None:
+        """Run the forward of ``key``; return the output to hand to the next stage (None on the
+        last stage)."""
+        if input_tensor is not None and not forward_only:
+            input_tensor = input_tensor.detach().requires_grad_(True)
+        self.chunk.set_input_tensor(input_tensor)
+        if forward_only:
+            with torch.no_grad():
+                output, loss_func = forward_step_func(data_iterator, self.chunk)
+        else:
+            with self.meter.saving():
+                output, loss_func = forward_step_func(data_iterator, self.chunk)
+        if self.is_last:
+            output = self._loss(key[0], output, loss_func, num_microbatches, losses, collect_non_loss_data)
+        if not forward_only:
+            self._units[key] = _Unit(input_tensor, output, [self.meter.hold(input_tensor)])
+        return None if self.is_last else output
+
+    def _loss(
+        self,
+        microbatch: int,
+        output: Any,
+        loss_func: Callable[..., Any] | None,
+        num_microbatches: int,
+        losses: LossRecord,
+        collect_non_loss_data: bool,
+    ) -> Any:
+        """Megatron's ``forward_step_calc_loss`` (CP size 1)."""
+        if loss_func is None:
+            losses.outputs[microbatch] = output
+            return output
+        if collect_non_loss_data:
+            losses.outputs[microbatch] = loss_func(output, non_loss_data=True)
+            return output
+        result = loss_func(output)
+        if len(result) == 3:
+            loss, num_tokens, reduced = result
+            if not getattr(self.config, "calculate_per_token_loss", False):
+                loss /= torch.clamp(num_tokens, min=1)
+                loss /= num_microbatches
+            losses.num_tokens = losses.num_tokens + num_tokens
+        else:
+            loss, reduced = result
+            loss /= num_microbatches
+        losses.outputs[microbatch] = reduced
+        return loss
+
+    # ---- B, W, BW ----------------------------------------------------------------------------
+
+    def _output_and_grad(self, unit: _Unit, output_grad: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        output = unit.output
+        if self.is_last:
+            scale = getattr(self.config, "grad_scale_func", None)
+            if scale is not None:
+                output = scale(output)
+            return output, None
+        if output_grad is None:
+            raise RuntimeError(f"stage {self.stage}: backward needs the output gradient of the next stage")
+        return output, output_grad
+
+    def backward(self, key: Key, output_grad: Tensor | None, split: bool) -> Tensor | None:
+        """BW (``split=False``): classic backward, weight gradients accumulated now. B
+        (``split=True``): only the input gradient now; weight gradients are deferred to W.
+        Returns the gradient of the stage input (None on the first stage)."""
+        unit = self._units.pop(key)
+        output, grad = self._output_and_grad(unit, output_grad)
+        if not output.requires_grad:
+            input_grad = None
+        elif not split:
+            run_backward(output, grad, accumulate=True)
+            input_grad = None if unit.input is None else unit.input.grad
+        else:
+            inputs = ([unit.input] if unit.input is not None else []) + self.uncovered
+            with self.store.collect(key):
+                grads = run_backward(output, grad, inputs)
+            first = 1 if unit.input is not None else 0
+            input_grad = grads[0] if unit.input is not None else None
+            for param, param_grad in zip(self.uncovered, grads[first:]):
+                if param_grad is not None:
+                    self.store.add(key, param, param_grad)
+        for hold in unit.holds:
+            hold.release()
+        return input_grad
+
+    def weight(self, key: Key) -> None:
+        """W: apply the weight gradients that B of ``key`` deferred."""
+        self.store.apply(key)
+
+    def leftover(self) -> list[str]:
+        """Units still stashed or with pending weight gradients (should be none after a step)."""
+        return [f"stage {self.stage} unit {k} has no backward yet" for k in self._units] + [
+            f"stage {self.stage} unit {k} has no W yet" for k in self.store.pending()
+        ]
+
+    def discard(self) -> None:
+        """Drop everything held (after a failed step)."""
+        for unit in self._units.values():
+            for hold in unit.holds:
+                hold.release()
+        self._units.clear()
+        self.store.clear()

@@ -1,0 +1,211 @@
+"""The B/W split: defer weight gradients from the input-gradient pass (B) to a later W op.
+
+Zero-bubble schedules let the previous stage wait only on the input gradient, so a B op must not
+spend time on weight-gradient GEMMs. Each model chunk owns a :class:`WeightGradStore`. While the
+store is *collecting* (inside a B op), the linear layers of that chunk compute only their input
+gradient and push the weight-gradient GEMM (with the tensors it needs) into the store; the W op
+of the same unit replays them in order. Parameters that are not in such a linear (norm weights,
+the embedding, any module we do not wrap) get their gradient computed at B time by autograd
+without accumulation; the store keeps it and adds it at W.
+
+Gradients land where Megatron expects them: ``param.main_grad`` when the parameter has one (DDP
+wrapper, gradient-accumulation fusion), otherwise ``param.grad``.
+
+Outside a B op the wrapped linears behave like Megatron's: they return the weight gradient to
+autograd (BW ops, plain backward, the single-process reference).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from torch import Tensor
+
+Key = Any  # what one B op defers: the executor uses (microbatch, slice)
+
+
+def accumulate_grad(param: Tensor, grad: Tensor) -> None:
+    """Add ``grad`` where Megatron's optimizer will look for it."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(grad.to(main_grad.dtype))
+        if hasattr(param, "grad_added_to_main_grad"):
+            param.grad_added_to_main_grad = True
+    elif param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad.add_(grad.to(param.grad.dtype))
+
+
+@dataclass
+class DeferredGrad:
+    """One weight-gradient contribution: ``compute()`` returns the gradient of ``param``.
+
+    ``tensors`` are what the closure keeps alive (for activation accounting)."""
+
+    param: Tensor
+    compute: Callable[[], Tensor]
+    tensors: tuple[Tensor, ...]
+
+
+class WeightGradStore:
+    """Per-chunk store of deferred weight gradients, grouped by the B op that deferred them.
+
+    ``on_hold``/``on_release`` let an activation meter see what the store keeps alive."""
+
+    def __init__(self) -> None:
+        self._collecting: list[DeferredGrad] | None = None
+        self._pending: OrderedDict[Key, list[DeferredGrad]] = OrderedDict()
+        self.on_hold: Callable[[Key, Sequence[Tensor]], None] | None = None
+        self.on_release: Callable[[Key], None] | None = None
+
+    @property
+    def deferring(self) -> bool:
+        return self._collecting is not None
+
+    @contextmanager
+    def collect(self, key: Key) -> Iterator[list[DeferredGrad]]:
+        """Everything deferred inside the block belongs to ``key`` (one B op)."""
+        if self._collecting is not None:
+            raise RuntimeError("WeightGradStore.collect is not reentrant")
+        if key in self._pending:
+            raise RuntimeError(f"weight gradients for {key} were already deferred and not yet applied")
+        collected: list[DeferredGrad] = []
+        self._collecting = collected
+        try:
+            yield collected
+        finally:
+            self._collecting = None
+        self._pending[key] = collected
+        if self.on_hold is not None:
+            self.on_hold(key, [t for item in collected for t in item.tensors])
+
+    def defer(self, item: DeferredGrad) -> None:
+        if self._collecting is None:
+            raise RuntimeError("defer() called outside collect()")
+        self._collecting.append(item)
+
+    def add(self, key: Key, param: Tensor, grad: Tensor) -> None:
+        """Keep an already computed gradient of ``key``'s B until its W (norms, embedding)."""
+        self._pending[key].append(DeferredGrad(param, lambda: grad, (grad,)))
+        if self.on_hold is not None:
+            self.on_hold(key, (grad,))
+
+    def apply(self, key: Key) -> None:
+        """The W op: compute and accumulate every weight gradient ``key``'s B deferred, in order."""
+        items = self._pending.pop(key, None)
+        if items is None:
+            raise RuntimeError(f"W for {key}: no deferred weight gradients (did its B run as BW?)")
+        for item in items:
+            accumulate_grad(item.param, item.compute())
+        if self.on_release is not None:
+            self.on_release(key)
+
+    def pending(self) -> list[Key]:
+        return list(self._pending)
+
+    def clear(self) -> None:
+        for key in list(self._pending):
+            self._pending.pop(key)
+            if self.on_release is not None:
+                self.on_release(key)
+
+
+class _DeferrableLinearFunction(torch.autograd.Function):
+    """``y = x W^T (+ b)`` whose backward defers dW (and db) when the store is collecting."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.bias = bias
+        ctx.store = store
+        out = torch.matmul(x, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad_in = grad_out.matmul(weight)
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        store: WeightGradStore = ctx.store
+        bias = ctx.bias
+        if store.deferring:
+            store.defer(DeferredGrad(weight, lambda: g2.t().matmul(x2), (g2, x2)))
+            if bias is not None:
+                store.defer(DeferredGrad(bias, lambda: g2.sum(dim=0), (g2,)))
+            return grad_in, None, None, None
+        grad_w = g2.t().matmul(x2)
+        grad_b = g2.sum(dim=0) if bias is not None else None
+        return grad_in, grad_w, grad_b, None
+
+
+def _check_local(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    if kwargs.get("sequence_parallel") or kwargs.get("allreduce_dgrad"):
+        raise ValueError(
+            f"{type(module).__name__}: deferred weight gradients support tensor_model_parallel_size=1 "
+            "without sequence parallelism only"
+        )
+    if kwargs.get("gradient_accumulation_fusion") and not hasattr(module.weight, "main_grad"):
+        raise ValueError("gradient_accumulation_fusion needs the DDP wrapper's main_grad buffers")
+
+
+def _deferrable_forward_impl(
+    module: torch.nn.Module,
+    base_impl: Callable[..., Tensor],
+    x: Tensor,
+    weight: Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> Tensor:
+    store: WeightGradStore | None = getattr(module, "wgrad_store", None)
+    if store is None or not weight.requires_grad:
+        return base_impl(x, weight, *args, **kwargs)
+    _check_local(module, kwargs)
+    bias = kwargs.get("bias", args[0] if args else None)
+    return _DeferrableLinearFunction.apply(x, weight, bias, store)
+
+
+class DeferrableColumnParallelLinear(ColumnParallelLinear):
+    """Megatron's ColumnParallelLinear whose weight gradient can be deferred to a W op."""
+
+    def _forward_impl(self, input: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:  # noqa: A002
+        return _deferrable_forward_impl(self, super()._forward_impl, input, weight, *args, **kwargs)
+
+
+class DeferrableRowParallelLinear(RowParallelLinear):
+    """Megatron's RowParallelLinear whose weight gradient can be deferred to a W op."""
+
+    def _forward_impl(self, input: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:  # noqa: A002
+        return _deferrable_forward_impl(self, super()._forward_impl, input, weight, *args, **kwargs)
+
+
+_DEFERRABLE = {
+    ColumnParallelLinear: DeferrableColumnParallelLinear,
+    RowParallelLinear: DeferrableRowParallelLinear,
+}
+
+
+def attach_store(chunk: torch.nn.Module, store: WeightGradStore) -> list[Tensor]:
+    """Connect every Megatron linear of ``chunk`` to ``store``; return the parameters that are NOT
+    covered (their gradients are computed at B and kept until W).
+
+    GPTModel builds its output layer as a plain ColumnParallelLinear whatever the layer spec says,
+    so plain Megatron linears are switched to the deferrable subclass here (it adds no state)."""
+    covered: set[int] = set()
+    for module in chunk.modules():
+        if type(module) in _DEFERRABLE:
+            module.__class__ = _DEFERRABLE[type(module)]
+        if isinstance(module, (DeferrableColumnParallelLinear, DeferrableRowParallelLinear)):
+            module.wgrad_store = store
+            if module.weight is not None:
+                covered.add(id(module.weight))
+    # Biases stay "uncovered": a bias added inside the linear is deferred by the linear (autograd
+    # then reports no gradient for it at B), one added outside it gets its gradient at B.
+    return [p for p in chunk.parameters() if p.requires_grad and id(p) not in covered]

@@ -1,0 +1,80 @@
+"""Shared pieces of the runtime tests: a tiny model, its data, forward_step_func and loss_func
+in Megatron's contract, and the comparison against the single-process reference."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megatron_pp_ext.megatron.model import ModelConfig
+
+MICRO_BATCH = 2
+
+
+def tiny_model(num_layers: int, dtype: str = "float32") -> ModelConfig:
+    return ModelConfig(
+        num_layers=num_layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_kv_heads=2,  # GQA
+        ffn_hidden_size=64,
+        vocab_size=64,
+        seq_length=16,
+        dtype=dtype,
+    )
+
+
+def make_batches(model: ModelConfig, count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        tokens = torch.randint(0, model.vocab_size, (MICRO_BATCH, model.seq_length), generator=generator)
+        labels = torch.randint(0, model.vocab_size, (MICRO_BATCH, model.seq_length), generator=generator)
+        loss_mask = (torch.rand(MICRO_BATCH, model.seq_length, generator=generator) > 0.2).to(torch.float32)
+        position_ids = torch.arange(model.seq_length).unsqueeze(0).expand(MICRO_BATCH, -1)
+        batches.append(
+            {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        )
+    return batches
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Megatron's pretrain_gpt shape: (sum of masked token losses, token count, report)."""
+    losses = output.reshape(-1)
+    mask = loss_mask.reshape(-1).to(losses.dtype)
+    loss = torch.sum(losses * mask)
+    num_tokens = loss_mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach().clone(), num_tokens.to(loss.dtype)])}
+
+
+def loss_func_legacy(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The two-value form: an already averaged loss and a report."""
+    losses = output.reshape(-1)
+    mask = loss_mask.reshape(-1).to(losses.dtype)
+    loss = torch.sum(losses * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(
+    data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module, legacy: bool = False
+):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(loss_func_legacy if legacy else loss_func, batch["loss_mask"])
+
+
+def rel_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """||value - reference|| / ||reference|| in float64 (0 when both are 0)."""
+    value, reference = value.double(), reference.double()
+    denominator = reference.norm().item()
+    difference = (value - reference).norm().item()
+    if denominator == 0.0:
+        return difference
+    return difference / denominator
+
+
+def loss_values(outputs: list[Any]) -> list[float]:
+    return [float(item["lm loss"].reshape(-1)[0]) for item in outputs]
