@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,23 +101,24 @@ def transformer_config(model: ModelConfig, num_layers: int | None = None) -> Tra
         pipeline_model_parallel_size=1,
     )
     fields.update(model.extra)
-    config = TransformerConfig(**fields)
-    check_supported(config)
-    return config
+    check_supported(SimpleNamespace(**fields))  # before Megatron's own, less specific, checks
+    return TransformerConfig(**fields)
 
 
-def check_supported(config: TransformerConfig) -> None:
+def check_supported(config: Any) -> None:
     """The runtime pipelines whole layers over ranks; tensor, sequence and context parallelism
     would need collectives inside a stage that it does not drive."""
-    if config.tensor_model_parallel_size != 1:
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if tp != 1:
         raise ValueError(
-            f"tensor_model_parallel_size={config.tensor_model_parallel_size} is not supported: "
+            f"tensor_model_parallel_size={tp} is not supported: "
             "megatron_pp_ext runs TP=1 (one GPU per pipeline stage)"
         )
-    if config.sequence_parallel:
+    if getattr(config, "sequence_parallel", False):
         raise ValueError("sequence_parallel is not supported: it needs TP>1, and megatron_pp_ext runs TP=1")
-    if config.context_parallel_size != 1:
-        raise ValueError(f"context_parallel_size={config.context_parallel_size} is not supported")
+    cp = getattr(config, "context_parallel_size", 1)
+    if cp != 1:
+        raise ValueError(f"context_parallel_size={cp} is not supported")
 
 
 def split_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] | None = None) -> list[int]:

@@ -122,7 +122,11 @@ class _DeferrableLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore) -> Tensor:
-        ctx.save_for_backward(x, weight)
+        # The parameter itself goes on ctx, not through save_for_backward: saved-tensor hooks
+        # (activation accounting) would hand back an alias, and W must accumulate into the
+        # parameter object. Parameters are not activations and do not change before W.
+        ctx.save_for_backward(x)
+        ctx.weight = weight
         ctx.bias = bias
         ctx.store = store
         out = torch.matmul(x, weight.t())
@@ -130,7 +134,8 @@ class _DeferrableLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
         grad_in = grad_out.matmul(weight)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
