@@ -1,0 +1,74 @@
+"""Which attention backends exist, which can run a given call, and which "auto" picks.
+
+Kernels (explicit forward/backward with lse): ``math`` (pure torch, the reference),
+``torch_flash`` (torch's flash-attention ops; CPU and CUDA), ``flash_attn`` (the flash-attn
+package; CUDA). Autograd backends: ``sdpa`` (torch SDPA, no lse) and ``flex`` (FlexAttention).
+"auto" takes the first of ``AUTO_ORDER`` that can run the call: explicit kernels first because
+the sliced backward then needs no recomputation.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .attend import FlexAttend, SdpaAttend
+from .blocks import Kernel
+from .flash_attn_kernel import FlashAttnKernel
+from .math_kernel import MathKernel
+from .torch_flash import TorchFlashKernel
+
+Backend = Kernel | SdpaAttend | FlexAttend
+
+_BACKENDS: dict[str, Backend] = {
+    "math": MathKernel(),
+    "torch_flash": TorchFlashKernel(),
+    "flash_attn": FlashAttnKernel(),
+    "sdpa": SdpaAttend(),
+    "flex": FlexAttend(),
+}
+BACKEND_NAMES = ("auto", *_BACKENDS)
+AUTO_ORDER = ("flash_attn", "torch_flash", "flex", "math")
+
+
+def is_kernel(backend: Backend) -> bool:
+    """True for backends with explicit forward/backward (math, torch_flash, flash_attn)."""
+    return hasattr(backend, "backward")
+
+
+def _can_run(backend: Backend, q: Tensor, k: Tensor, need_lse: bool, need_grad: bool) -> bool:
+    if is_kernel(backend):
+        return backend.supports(q, k)
+    if need_lse and not backend.gives_lse:
+        return False
+    return backend.supports(q, k, need_grad)
+
+
+def available_backends(q: Tensor, k: Tensor, need_lse: bool = False, need_grad: bool = True) -> list[str]:
+    """Names of the backends that can run attention of ``q`` to ``k`` (layout [b, heads, s, d])."""
+    return [name for name, be in _BACKENDS.items() if _can_run(be, q, k, need_lse, need_grad)]
+
+
+def choose_backend(
+    name: str, q: Tensor, k: Tensor, need_lse: bool = False, need_grad: bool = True
+) -> Backend:
+    """The backend called ``name`` (or the first of AUTO_ORDER for "auto"); an error says why
+    a named one cannot run this call."""
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            if _can_run(_BACKENDS[candidate], q, k, need_lse, need_grad):
+                return _BACKENDS[candidate]
+        raise AssertionError("the math backend runs everything")
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    backend = _BACKENDS[name]
+    if not _can_run(backend, q, k, need_lse, need_grad):
+        what = f"{q.dtype} on {q.device.type}, head dim {q.shape[-1]}"
+        if need_lse and not is_kernel(backend) and not backend.gives_lse:
+            why = "it gives no lse"
+        elif need_grad and not is_kernel(backend):
+            why = f"it cannot run {what} with gradients"
+        else:
+            why = f"it cannot run {what}"
+        usable = ", ".join(available_backends(q, k, need_lse, need_grad))
+        raise ValueError(f"attention backend {name!r} cannot be used here: {why} (usable: {usable})")
+    return backend
