@@ -233,3 +233,99 @@ def test_exact_p3(name: str) -> None:
 @pytest.mark.parametrize("name", _names())
 def test_exact_p4(name: str) -> None:
     _check(4, name)
+
+
+def api_worker(rank: int, world: int, microbatches: int) -> dict:
+    """Megatron-shaped entry point: forward-only, the two-value loss form, and main_grad buffers
+    filled like Megatron's DDP does (its hook moves ``.grad`` into ``main_grad``)."""
+    from megatron_pp_ext.megatron.model import (
+        build_reference,
+        build_stage,
+        copy_from_reference,
+        init_parallel_state,
+        layer_offsets,
+        reference_name,
+        split_layers,
+    )
+    from megatron_pp_ext.runtime import PipeComm, PipelineRuntime, forward_backward, reference_step
+
+    init_parallel_state(world)
+    model_cfg = tiny_model(num_layers=2 * world + 1)
+    torch.manual_seed(7)
+    reference = build_reference(model_cfg)
+    batches = make_batches(model_cfg, microbatches, seed=5)
+    legacy_step = functools.partial(forward_step, legacy=True)
+    ref_eval = loss_values(
+        reference_step(reference, forward_step, iter(batches), microbatches, forward_only=True)
+    )
+    reference_step(reference, legacy_step, iter(batches), microbatches)
+    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+
+    comm = PipeComm(timeout_s=60)
+    out: dict = {}
+    for name in ("1f1b", "1f1b-split", "gpipe-v-split"):
+        schedule = _schedule_for(name, world, microbatches)
+        layers = split_layers(model_cfg.num_layers, schedule.num_stages)
+        offsets = layer_offsets(layers)
+        stages = schedule.placement.stages_of(rank)
+        chunks = [build_stage(model_cfg, s, layers) for s in stages]
+        named = {}
+        for stage, chunk in zip(stages, chunks):
+            copy_from_reference(reference, chunk, offsets[stage])
+            for n, p in chunk.named_parameters():
+                named[reference_name(n, offsets[stage])] = p
+                p.main_grad = torch.zeros_like(p)
+                p.register_post_accumulate_grad_hook(_ddp_like_hook)
+        runtime = PipelineRuntime(chunks, comm, (1, 1, 1), model_cfg.torch_dtype)  # shape set per call
+        kwargs = dict(
+            model=chunks,
+            num_microbatches=microbatches,
+            seq_length=model_cfg.seq_length,
+            micro_batch_size=2,
+        )
+        evaluated = forward_backward(
+            runtime,
+            schedule,
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            forward_only=True,
+            **kwargs,
+        )
+        stored = forward_backward(
+            runtime,
+            schedule,
+            forward_step_func=legacy_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            **kwargs,
+        )
+        out[name] = {
+            "eval_error": max((abs(a - b) for a, b in zip(loss_values(evaluated), ref_eval)), default=None)
+            if runtime.last_result.is_loss_rank
+            else None,
+            "eval_count": len(evaluated),
+            "train_count": len(stored),
+            "is_loss_rank": runtime.last_result.is_loss_rank,
+            "grad_left_in_dot_grad": [n for n, p in named.items() if p.grad is not None],
+            "main_grad_error": max(rel_error(p.main_grad, ref_grads[n]) for n, p in named.items()),
+        }
+    return out
+
+
+def _ddp_like_hook(param: torch.Tensor) -> None:
+    param.main_grad.add_(param.grad)
+    param.grad = None
+
+
+def test_forward_backward_api_forward_only_legacy_loss_main_grad() -> None:
+    results = check_ok(run_ranks(api_worker, 2, 3, timeout=120))
+    for name in ("1f1b", "1f1b-split", "gpipe-v-split"):
+        reports = [r[name] for r in results]
+        loss_rank = [r for r in reports if r["is_loss_rank"]]
+        assert len(loss_rank) == 1
+        assert loss_rank[0]["eval_count"] == 3 and loss_rank[0]["train_count"] == 3
+        assert loss_rank[0]["eval_error"] < 1e-6
+        for r in reports:
+            if not r["is_loss_rank"]:
+                assert r["eval_count"] == 0 and r["train_count"] == 0
+            assert r["grad_left_in_dot_grad"] == [], (name, r)
+            assert r["main_grad_error"] < GRAD_TOLERANCE, (name, r)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from ..schedule.ir import Op, OpKind, Schedule
@@ -53,16 +54,13 @@ class PipelineError(RuntimeError):
 
 @functools.lru_cache(maxsize=64)
 def _prepared(schedule_json: str, forward_only: bool) -> Schedule:
-    schedule = Schedule.from_json(schedule_json)
-    if forward_only:
-        schedule = schedule.with_ranks(
-            [
-                [op for op in ops if op.kind in (OpKind.F, OpKind.SEND_F, OpKind.RECV_F)]
-                for ops in schedule.ranks
-            ]
-        )
-    lowered = lower(schedule)
+    lowered = lower(Schedule.from_json(schedule_json))
     validate(lowered)
+    if forward_only:
+        # Forwards depend only on forwards, so dropping every backward op keeps a valid
+        # execution order and the order of every forward channel.
+        keep = (OpKind.F, OpKind.SEND_F, OpKind.RECV_F)
+        lowered = lowered.with_ranks([[op for op in ops if op.kind in keep] for ops in lowered.ranks])
     return lowered
 
 
@@ -92,15 +90,14 @@ class PipelineRuntime:
         self.chunks = list(chunks)
         self.comm = comm
         self.rank = comm.rank
-        self.shape_of: ShapeFn = (
-            tensor_shape if callable(tensor_shape) else (lambda op, s=tuple(tensor_shape): s)
-        )
+        self.shape_of = _shape_fn(tensor_shape)
         self.dtype = dtype
-        self.config = config if config is not None else getattr(self.chunks[0], "config", None)
+        self.config = config if config is not None else get_model_config(self.chunks[0])
         self.deallocate_outputs = deallocate_outputs
         self.device = next(self.chunks[0].parameters()).device
         self.stores = [WeightGradStore() for _ in self.chunks]
         self.meter = ActivationMeter()
+        self.last_result: StepResult | None = None
 
     # ------------------------------------------------------------------------------------------
 
@@ -111,9 +108,11 @@ class PipelineRuntime:
         data_iterators: Sequence[Iterator[Any] | None] | Iterator[Any] | None,
         forward_only: bool = False,
         collect_non_loss_data: bool = False,
+        tensor_shape: Sequence[int] | ShapeFn | None = None,
     ) -> StepResult:
         """Run ``schedule`` (lowered here if it is not) for this rank: one training step (or a
-        forward-only pass) over ``schedule.microbatches`` microbatches."""
+        forward-only pass) over ``schedule.microbatches`` microbatches. ``tensor_shape``
+        overrides the activation shape given at construction, for this step."""
         if schedule.pp != self.comm.size:
             raise ValueError(
                 f"schedule {schedule.name} has pp={schedule.pp}, the pipeline has {self.comm.size} ranks"
@@ -144,9 +143,10 @@ class PipelineRuntime:
             )
             for stage in stages
         }
-        run = _StepRun(
-            self, lowered, runners, iterators, forward_step_func, forward_only, collect_non_loss_data
-        )
+        shape_of = self.shape_of if tensor_shape is None else _shape_fn(tensor_shape)
+        run = _StepRun(self, lowered, runners, iterators, forward_step_func, forward_only)
+        run.collect_non_loss_data = collect_non_loss_data
+        run.shape_of = shape_of
         try:
             run.execute()
         except BaseException:
@@ -156,7 +156,7 @@ class PipelineRuntime:
             raise
         is_loss_rank = lowered.loss_rank == self.rank
         losses = [run.losses.outputs[mb] for mb in sorted(run.losses.outputs)]
-        return StepResult(
+        self.last_result = StepResult(
             losses=losses,
             num_tokens=run.losses.num_tokens,
             is_loss_rank=is_loss_rank,
@@ -166,6 +166,7 @@ class PipelineRuntime:
             else None,
             op_count=run.op_count,
         )
+        return self.last_result
 
     def _iterators(self, data_iterators: Any) -> list[Iterator[Any] | None]:
         if isinstance(data_iterators, (list, tuple)):
@@ -175,6 +176,13 @@ class PipelineRuntime:
         if len(self.chunks) != 1:
             raise ValueError("with several model chunks, pass one data iterator per chunk (a list)")
         return [data_iterators]
+
+
+def _shape_fn(tensor_shape: Sequence[int] | ShapeFn) -> ShapeFn:
+    if callable(tensor_shape):
+        return tensor_shape
+    shape = tuple(int(n) for n in tensor_shape)
+    return lambda op: shape
 
 
 def _check_forward_order(schedule: Schedule, rank: int) -> None:
@@ -204,15 +212,15 @@ class _StepRun:
         iterators: list[Iterator[Any] | None],
         forward_step_func: ForwardStepFunc,
         forward_only: bool,
-        collect_non_loss_data: bool,
     ) -> None:
         self.rt = runtime
+        self.shape_of = runtime.shape_of
+        self.collect_non_loss_data = False
         self.schedule = schedule
         self.runners = runners
         self.iterators = iterators
         self.forward_step_func = forward_step_func
         self.forward_only = forward_only
-        self.collect_non_loss_data = collect_non_loss_data
         self.losses = LossRecord()
         # (kind, stage, microbatch, slice) -> (tensor, hold). Inbox: inputs of F (kind F) and
         # output gradients of B/BW (kind B) of *this* stage. Outbox: what SEND ops send.
@@ -252,7 +260,7 @@ class _StepRun:
         elif kind in (OpKind.RECV_F, OpKind.RECV_B):
             direction = "F" if kind == OpKind.RECV_F else "B"
             tensor = self.rt.comm.recv(
-                self.rt.shape_of(op), self.rt.dtype, self.rt.device, op.peer, direction, str(op)
+                self.shape_of(op), self.rt.dtype, self.rt.device, op.peer, direction, str(op)
             )
             self.inbox[(direction, op.stage, op.microbatch, op.slice)] = (tensor, self.rt.meter.hold(tensor))
         elif kind in (OpKind.SEND_F, OpKind.SEND_B):

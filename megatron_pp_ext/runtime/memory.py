@@ -147,6 +147,8 @@ def measure_op_memory(
     output (a loss scalar on the last stage). ``input_tensor`` is the stage input (None on the
     first stage). Gradients land in the parameters, so call this on a scratch model.
     """
+    from megatron.core.utils import get_attr_wrapped_model
+
     from .stage import run_backward
     from .weight_grad import WeightGradStore, attach_store
 
@@ -160,7 +162,7 @@ def measure_op_memory(
     try:
         stage_input = None if input_tensor is None else input_tensor.detach().requires_grad_(True)
         input_hold = meter.hold(stage_input)
-        chunk.set_input_tensor(stage_input)
+        get_attr_wrapped_model(chunk, "set_input_tensor")(stage_input)
         with meter.saving():
             output = run_forward(chunk)
         forward = meter.live

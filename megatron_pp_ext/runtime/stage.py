@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
 from .memory import ActivationMeter, Hold
@@ -107,7 +108,7 @@ class StageRunner:
         last stage)."""
         if input_tensor is not None and not forward_only:
             input_tensor = input_tensor.detach().requires_grad_(True)
-        self.chunk.set_input_tensor(input_tensor)
+        get_attr_wrapped_model(self.chunk, "set_input_tensor")(input_tensor)
         if forward_only:
             with torch.no_grad():
                 output, loss_func = forward_step_func(data_iterator, self.chunk)

@@ -35,8 +35,6 @@ def accumulate_grad(param: Tensor, grad: Tensor) -> None:
     main_grad = getattr(param, "main_grad", None)
     if main_grad is not None:
         main_grad.add_(grad.to(main_grad.dtype))
-        if hasattr(param, "grad_added_to_main_grad"):
-            param.grad_added_to_main_grad = True
     elif param.grad is None:
         param.grad = grad.to(param.dtype)
     else:
