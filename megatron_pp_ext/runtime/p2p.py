@@ -10,9 +10,10 @@ messages or deadlock a send behind a receive. Gloo (CPU) behaves the same way.
 A receive that does not complete within ``timeout_s`` — the peer died, hangs or never sends —
 raises :class:`PeerError` naming this rank, the op and the peer, instead of hanging.
 
-Gloo send handles never report completion without a blocking ``wait()``, so on gloo a helper
-thread waits on each send in turn (``wait`` releases the GIL) and marks it done; the send buffer
-is released as soon as it is out, which keeps the activation accounting honest.
+Gloo send handles never report completion without a blocking ``wait()``, so on gloo one helper
+thread per channel (direction, peer) waits on that channel's sends in order (``wait`` releases
+the GIL) and marks each done; a send buffer is released as soon as it is out, which keeps the
+activation accounting honest.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class PipeComm:
             for upward in (True, False)
         }
         self._pending: list[_PendingSend] = []
-        self._waiter = _SendWaiter(self.timeout_s) if self.backend == "gloo" else None
+        self._gloo = self.backend == "gloo"
+        self._waiters: dict[tuple[str, int], _SendWaiter] = {}
 
     def _group(self, direction: str, sender: int, receiver: int) -> dist.ProcessGroup:
         return self._groups[(direction, receiver > sender)]
@@ -114,12 +116,15 @@ class PipeComm:
             raise PeerError(f"rank {self.rank}: {what} to rank {peer} failed: {error}") from error
         pending = _PendingSend(work, buffer, what, peer, on_done)
         self._pending.append(pending)
-        if self._waiter is not None:
-            self._waiter.watch(pending)
+        if self._gloo:
+            waiter = self._waiters.get((direction, peer))
+            if waiter is None:
+                waiter = self._waiters[(direction, peer)] = _SendWaiter(self.timeout_s)
+            waiter.watch(pending)
         self.reap()
 
     def _is_done(self, pending: _PendingSend) -> bool:
-        if self._waiter is not None:
+        if self._gloo:
             return pending.finished.is_set()
         return pending.work.is_completed()
 
@@ -137,7 +142,7 @@ class PipeComm:
         """Wait until every send has gone out (each within the timeout)."""
         pending, self._pending = self._pending, []
         for item in pending:
-            if self._waiter is not None:
+            if self._gloo:
                 if not item.finished.wait(self.timeout_s + 1.0):
                     item.error = TimeoutError(f"no completion after {self.timeout_s:.1f}s")
             else:
@@ -150,16 +155,16 @@ class PipeComm:
                 f"rank {self.rank}: {pending.what} to rank {pending.peer} did not complete "
                 f"(timeout {self.timeout_s:.1f}s): {pending.error}"
             ) from pending.error
-        if self._waiter is None:
+        if not self._gloo:
             pending.work.wait()  # NCCL: order the current stream after the transfer
         if pending.on_done is not None:
             pending.on_done()
 
     def close(self) -> None:
         """Stop the helper thread (the process groups stay; they belong to torch.distributed)."""
-        if self._waiter is not None:
-            self._waiter.close()
-            self._waiter = None
+        for waiter in self._waiters.values():
+            waiter.close()
+        self._waiters = {}
 
     def abandon(self) -> None:
         """Forget pending sends (after a failure)."""
