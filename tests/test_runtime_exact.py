@@ -26,9 +26,10 @@ LR = 1e-3
 
 # pipeline size -> microbatches (none a multiple of p)
 CASES = {2: 3, 3: 4, 4: 6}
-# Schedules built here, so the runtime's B/W split and V-shape hand-off are covered whatever the
-# registry holds: 1F1B with W split off and delayed, and GPipe-order V-shape (with BW and B/W).
-LOCAL = ["1f1b-split", "gpipe-v", "gpipe-v-split"]
+# Schedules built here, so the runtime's B/W split, V-shape hand-off and interleaved wrap-around
+# are covered whatever the registry holds: 1F1B with W split off and delayed, 1F1B with fewer
+# microbatches than stages, GPipe order on a V (with BW and with B/W) and on 2 interleaved chunks.
+LOCAL = ["1f1b-split", "1f1b-m2", "gpipe-v", "gpipe-v-split", "gpipe-i2"]
 
 
 def split_backward(schedule, delay: int):
@@ -53,15 +54,16 @@ def split_backward(schedule, delay: int):
     return schedule.with_ranks(ranks)
 
 
-def gpipe_vshape(pp: int, microbatches: int):
-    """All forwards then all backwards, in a global order projected onto the ranks of a V."""
+def gpipe_two_chunks(pp: int, microbatches: int, style: str = "vshape"):
+    """All forwards then all backwards, in a global order projected onto the ranks, two chunks
+    per rank placed as a V or interleaved."""
     from megatron_pp_ext.schedule.ir import Op, OpKind, Placement, Schedule
 
-    placement = Placement(pp, 2 * pp, "vshape")
+    placement = Placement(pp, 2 * pp, style)
     order = [Op(OpKind.F, s, mb) for mb in range(microbatches) for s in range(2 * pp)]
     order += [Op(OpKind.BW, s, mb) for mb in range(microbatches) for s in reversed(range(2 * pp))]
     ranks = [[op for op in order if placement.rank_of(op.stage) == r] for r in range(pp)]
-    return Schedule("gpipe-v", pp, microbatches, 2 * pp, 1, placement, ranks)
+    return Schedule(f"gpipe-{style}", pp, microbatches, 2 * pp, 1, placement, ranks)
 
 
 def registered() -> list[str]:
@@ -75,10 +77,14 @@ def _schedule_for(name: str, pp: int, microbatches: int):
 
     if name == "1f1b-split":
         return split_backward(generate("1f1b", pp, microbatches), delay=1)
+    if name == "1f1b-m2":
+        return generate("1f1b", pp, 2)
     if name == "gpipe-v":
-        return gpipe_vshape(pp, microbatches)
+        return gpipe_two_chunks(pp, microbatches)
     if name == "gpipe-v-split":
-        return split_backward(gpipe_vshape(pp, microbatches), delay=2)
+        return split_backward(gpipe_two_chunks(pp, microbatches), delay=2)
+    if name == "gpipe-i2":
+        return gpipe_two_chunks(pp, microbatches, "interleaved")
 
     spec = SCHEDULES[name]
     vpp = spec.default_vpp
