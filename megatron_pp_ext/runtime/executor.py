@@ -144,9 +144,16 @@ class PipelineRuntime:
             for stage in stages
         }
         shape_of = self.shape_of if tensor_shape is None else _shape_fn(tensor_shape)
-        run = _StepRun(self, lowered, runners, iterators, forward_step_func, forward_only)
-        run.collect_non_loss_data = collect_non_loss_data
-        run.shape_of = shape_of
+        run = _StepRun(
+            self,
+            lowered,
+            runners,
+            iterators,
+            forward_step_func,
+            forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data,
+            shape_of=shape_of,
+        )
         try:
             run.execute()
         except BaseException:
@@ -211,11 +218,14 @@ class _StepRun:
         runners: dict[int, StageRunner],
         iterators: list[Iterator[Any] | None],
         forward_step_func: ForwardStepFunc,
+        *,
         forward_only: bool,
+        collect_non_loss_data: bool,
+        shape_of: ShapeFn,
     ) -> None:
         self.rt = runtime
-        self.shape_of = runtime.shape_of
-        self.collect_non_loss_data = False
+        self.shape_of = shape_of
+        self.collect_non_loss_data = collect_non_loss_data
         self.schedule = schedule
         self.runners = runners
         self.iterators = iterators
@@ -282,13 +292,11 @@ class _StepRun:
 
     def _emit(self, direction: str, to_stage: int, op: Op, tensor: Tensor) -> None:
         """Hand ``tensor`` on: in memory if ``to_stage`` is on this rank, else to a SEND op."""
-        key = (direction, to_stage, op.microbatch, op.slice)
-        local = self.schedule.placement.rank_of(to_stage) == self.rt.rank
-        box = self.inbox if local else self.outbox
-        box[key if local else (direction, op.stage, op.microbatch, op.slice)] = (
-            tensor,
-            self.rt.meter.hold(tensor),
-        )
+        item = (tensor, self.rt.meter.hold(tensor))
+        if self.schedule.placement.rank_of(to_stage) == self.rt.rank:
+            self.inbox[(direction, to_stage, op.microbatch, op.slice)] = item
+        else:
+            self.outbox[(direction, op.stage, op.microbatch, op.slice)] = item
 
     def _forward(self, op: Op) -> None:
         runner = self.runners[op.stage]
