@@ -209,6 +209,19 @@ def build_stage(
     return _gpt(model, layers_per_stage[stage], stage == 0, stage == last, use_te)
 
 
+def build_chunks(
+    model: ModelConfig,
+    placement: Any,
+    rank: int,
+    layers_per_stage: list[int] | None = None,
+    use_te: bool | None = None,
+) -> list[GPTModel]:
+    """This rank's model chunks under ``placement`` (a schedule's ``Placement``), in chunk order:
+    the list the runtime and Megatron's ``model`` argument expect."""
+    layers = split_layers(model.num_layers, placement.num_stages, layers_per_stage)
+    return [build_stage(model, stage, layers, use_te) for stage in placement.stages_of(rank)]
+
+
 def build_reference(model: ModelConfig, use_te: bool | None = None) -> GPTModel:
     """The whole model in one GPTModel, without a pipeline."""
     return _gpt(model, model.num_layers, True, True, use_te)

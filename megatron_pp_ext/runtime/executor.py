@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
@@ -96,6 +97,7 @@ class PipelineRuntime:
         self.deallocate_outputs = deallocate_outputs
         self.device = next(self.chunks[0].parameters()).device
         self.stores = [WeightGradStore() for _ in self.chunks]
+        _check_parallel_state(comm.size)
         self.meter = ActivationMeter()
         self.last_result: StepResult | None = None
 
@@ -183,6 +185,20 @@ class PipelineRuntime:
         if len(self.chunks) != 1:
             raise ValueError("with several model chunks, pass one data iterator per chunk (a list)")
         return [data_iterators]
+
+
+def _check_parallel_state(pp_size: int) -> None:
+    """Megatron's data-parallel group must not span our pipeline (it would all-reduce gradients
+    of different stages): its pipeline size must be ours. Not initialised is fine."""
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if pp != pp_size or tp != 1:
+        raise ValueError(
+            f"Megatron parallel state has TP={tp}, PP={pp} but the pipeline has {pp_size} ranks: "
+            f"initialise it with tensor_model_parallel_size=1, pipeline_model_parallel_size={pp_size}"
+        )
 
 
 def _shape_fn(tensor_shape: Sequence[int] | ShapeFn) -> ShapeFn:
