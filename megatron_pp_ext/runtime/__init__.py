@@ -2,7 +2,18 @@
 
 Entry points: :class:`PipelineRuntime` (built once per rank with its chunks and a
 :class:`PipeComm`; ``step(schedule, forward_step_func, data_iterators)`` runs one step) and
-:func:`forward_backward` (the same with Megatron's ``forward_backward_func`` arguments).
+:func:`forward_backward` (the same with Megatron's ``forward_backward_func`` arguments)::
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    init_parallel_state(pp)                               # TP=1, PP=pp: DP never spans stages
+    schedule = generate("zb-h1", pp, microbatches)
+    chunks = build_chunks(model_config, schedule.placement, rank)   # GPTModel per virtual stage
+    runtime = PipelineRuntime(chunks, PipeComm(timeout_s=300), (seq, micro_batch, hidden), dtype)
+    result = runtime.step(schedule, forward_step_func, [iter(data) for _ in chunks])
+    optimizer.step()                                      # grads are in .grad / .main_grad
+
+``result.losses`` holds the loss dicts on the rank of the last virtual stage (rank 0 for V-shape
+schedules); ``result.peak_activation_bytes`` the rank's activation peak.
 """
 
 from .api import forward_backward
