@@ -6,6 +6,9 @@ backward in reverse, each attending to the cached K/V of the earlier ones, as a 
 pipeline runs them. Runs on the GPU when there is one, with every backend that can run there.
 
     python scripts/bench_sliced_attention.py --seq-length 4096 --slices 4 --heads 8 --kv-heads 2
+
+On a shared CPU pass --threads 1: with more threads than free cores, small ops wait on
+descheduled threads and the sliced run (more, smaller ops) looks far slower than it is.
 """
 
 from __future__ import annotations
@@ -38,23 +41,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_once(backend, q, k, v, lengths: list[int], scale: float) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of one pass over the slices ``lengths``."""
-    for t in (q, k, v):
-        t.grad = None
+def slice_leaves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> list[tuple]:
+    """Each slice's q, k, v as its own leaf tensors, as a pipeline stage receives them."""
+    pieces = zip(q.split(lengths), k.split(lengths), v.split(lengths))
+    return [tuple(t.detach().clone().requires_grad_() for t in piece) for piece in pieces]
+
+
+def run_once(backend, slices: list[tuple], scale: float) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of one pass over ``slices``."""
     cache = LayerCache("bench")
-    bounds = [sum(lengths[:j]) for j in range(len(lengths) + 1)]
-    sync(q.device)
+    device = slices[0][0].device
+    sync(device)
     start = time.perf_counter()
-    outs = [
-        sliced_attention(q[a:b], k[a:b], v[a:b], cache, j, scale, backend)
-        for j, (a, b) in enumerate(zip(bounds, bounds[1:]))
-    ]
-    sync(q.device)
+    outs = [sliced_attention(q, k, v, cache, j, scale, backend) for j, (q, k, v) in enumerate(slices)]
+    sync(device)
     middle = time.perf_counter()
     for out in reversed(outs):
         out.backward(torch.ones_like(out))
-    sync(q.device)
+    sync(device)
     return middle - start, time.perf_counter() - middle
 
 
@@ -79,15 +83,18 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--backends", default=None, help="comma-separated; default: all that can run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     shape_q = (args.seq_length, args.batch, args.heads, args.head_dim)
     shape_kv = (args.seq_length, args.batch, args.kv_heads, args.head_dim)
-    q = torch.randn(shape_q, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(shape_kv, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn(shape_kv, device=device, dtype=dtype, requires_grad=True)
+    q = torch.randn(shape_q, device=device, dtype=dtype)
+    k = torch.randn(shape_kv, device=device, dtype=dtype)
+    v = torch.randn(shape_kv, device=device, dtype=dtype)
     probe_q, probe_k = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)
     names = args.backends.split(",") if args.backends else available_backends(probe_q, probe_k)
     auto = choose_backend("auto", probe_q, probe_k).name
@@ -102,9 +109,11 @@ def main() -> None:
     print(f"{'backend':12} {'mode':9} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'vs unsliced':>11}")
     for name in names:
         backend = choose_backend(name, probe_q, probe_k)
-        run_once(backend, q, k, v, lengths, scale)  # warm-up (and compile, for flex)
-        whole = best_of(args.repeats, run_once, backend, q, k, v, [args.seq_length], scale)
-        sliced = best_of(args.repeats, run_once, backend, q, k, v, lengths, scale)
+        whole_inputs = slice_leaves(q, k, v, [args.seq_length])
+        sliced_inputs = slice_leaves(q, k, v, lengths)
+        run_once(backend, sliced_inputs, scale)  # warm-up (and compile, for flex)
+        whole = best_of(args.repeats, run_once, backend, whole_inputs, scale)
+        sliced = best_of(args.repeats, run_once, backend, sliced_inputs, scale)
         for mode, (fwd, bwd) in (("unsliced", whole), (f"{args.slices} slices", sliced)):
             ratio = (fwd + bwd) / sum(whole)
             times = f"{fwd * 1e3:9.2f} {bwd * 1e3:9.2f} {(fwd + bwd) * 1e3:9.2f}"
