@@ -146,6 +146,13 @@ def _op_memory() -> list[dict]:
     return out
 
 
+def _stage_op_memory() -> list[dict]:
+    from megatron_pp_ext.runtime.memory import stage_op_memory
+
+    model = tiny_model(6)
+    return [m.__dict__ for m in stage_op_memory(model, 4, micro_batch_size=2, layers_per_stage=[1, 1, 2, 2])]
+
+
 def _unsupported() -> list[str]:
     from megatron_pp_ext.megatron.model import ModelConfig, check_parallel_state, transformer_config
 
@@ -168,6 +175,7 @@ CHECKS = {
     "split": _split_equals_fused,
     "memory": _op_memory,
     "unsupported": _unsupported,
+    "stage_memory": _stage_op_memory,
 }
 
 
@@ -197,6 +205,15 @@ def test_op_memory_probe() -> None:
     for stage, memory in enumerate(stages):
         assert memory["forward"] > memory["after_backward"] > 0, (stage, memory)
         assert memory["after_weight"] == 0, (stage, memory)
+
+
+def test_stage_op_memory_scales_with_layers() -> None:
+    first, one, two, last = _run("stage_memory")
+    for memory in (first, one, two, last):
+        assert memory["forward"] > memory["after_backward"] > 0 and memory["after_weight"] == 0
+    # a middle stage with two layers keeps twice what one layer keeps (same input stash aside)
+    assert abs(two["after_backward"] - 2 * one["after_backward"]) < 0.01 * one["after_backward"]
+    assert 1.8 < two["forward"] / one["forward"] < 2.05
 
 
 def test_unsupported_parallelism_is_rejected() -> None:

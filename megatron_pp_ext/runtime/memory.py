@@ -184,3 +184,40 @@ def measure_op_memory(
             if getattr(module, "wgrad_store", None) is store:
                 module.wgrad_store = None
     return OpMemory(forward=forward, after_backward=after_backward, after_weight=after_weight)
+
+
+def stage_op_memory(
+    model: Any,
+    num_stages: int,
+    micro_batch_size: int = 1,
+    layers_per_stage: list[int] | None = None,
+    seed: int = 0,
+) -> list[OpMemory]:
+    """:func:`measure_op_memory` for every virtual stage of ``model`` (a ``ModelConfig``) on
+    random tokens, each stage built fresh: what one F keeps and what its W still holds after B,
+    per stage, to calibrate the simulator. Needs Megatron's parallel state (one rank is enough)."""
+    from ..megatron.model import build_stage, split_layers
+
+    layers = split_layers(model.num_layers, num_stages, layers_per_stage)
+    generator = torch.Generator().manual_seed(seed)
+    shape = (micro_batch_size, model.seq_length)
+    tokens = torch.randint(0, model.vocab_size, shape, generator=generator)
+    labels = torch.randint(0, model.vocab_size, shape, generator=generator)
+    positions = torch.arange(model.seq_length).unsqueeze(0).expand(micro_batch_size, -1)
+    results = []
+    for stage in range(num_stages):
+        chunk = build_stage(model, stage, layers)
+        device = next(chunk.parameters()).device
+        last = stage == num_stages - 1
+
+        def run_forward(c: torch.nn.Module, last: bool = last, device: torch.device = device) -> Tensor:
+            out = c(tokens.to(device), positions.to(device), None, labels=labels.to(device))
+            return out.sum() if last else out
+
+        stage_input = None
+        if stage > 0:
+            stage_input = torch.randn(
+                model.seq_length, micro_batch_size, model.hidden_size, generator=generator
+            ).to(device=device, dtype=model.torch_dtype)
+        results.append(measure_op_memory(chunk, run_forward, stage_input))
+    return results
