@@ -1,0 +1,77 @@
+"""Process launch: use torchrun's or srun's processes when there are some, else start them here.
+
+``train`` works three ways: ``torchrun --nproc-per-node P megatron-pp-ext train ...`` and
+``srun -n P megatron-pp-ext train ...`` give each process its rank through the environment;
+plain ``megatron-pp-ext train`` starts P local processes itself (gloo on CPU, NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def launcher_world() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) given by torchrun or SLURM, or None if neither ran us."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in env:
+                raise RuntimeError(f"under srun, set {name} (e.g. the first host of $SLURM_NODELIST)")
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, local_rank: int, timeout_s: float) -> torch.device:
+    """Initialise torch.distributed: NCCL on a GPU per process when there are GPUs, else gloo."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        # Processes share the cores: one thread each unless there are cores to spare.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))))
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return device
+
+
+def _entry(local_rank: int, world_size: int, port: int, worker: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+    worker(local_rank, world_size, local_rank, *args)
+
+
+def run(worker: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Call ``worker(rank, world_size, local_rank, *args)`` in each process of the job."""
+    given = launcher_world()
+    if given is not None:
+        rank, world, local_rank = given
+        if world != world_size:
+            raise ValueError(
+                f"the launcher started {world} processes but the job needs {world_size} "
+                f"(--pp {world_size}); start it with {world_size} processes"
+            )
+        worker(rank, world, local_rank, *args)
+        return
+    mp.start_processes(
+        _entry, args=(world_size, free_port(), worker, args), nprocs=world_size, start_method="spawn"
+    )

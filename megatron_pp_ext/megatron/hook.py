@@ -1,0 +1,256 @@
+"""The Megatron hook: megatron-core's ``get_forward_backward_func`` returns our schedules.
+
+    from megatron_pp_ext import megatron as pp_ext
+    pretrain(..., extra_args_provider=pp_ext.add_args)      # adds --pp-schedule and its knobs
+    pp_ext.install(get_args())                              # before the training loop starts
+
+After :func:`install`, ``megatron.core.pipeline_parallel.get_forward_backward_func`` (and every
+module that imported it by name, as Megatron-LM's ``megatron/training/training.py`` does) returns
+a function with Megatron's signature (forward_step_func, data_iterator, model, num_microbatches,
+seq_length, micro_batch_size, forward_only, ...) and return value (the loss dicts on the rank that
+computes the loss). Nothing inside Megatron is changed; :meth:`Installed.uninstall` undoes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
+from ..schedule.ir import Schedule
+
+
+class OptionError(ValueError):
+    """A pipeline option that cannot work; ``flag`` names the command-line flag to change."""
+
+    def __init__(self, message: str, flag: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+        self.reason = message
+
+
+# Generator flags and the names this adapter gives them on Megatron's command line.
+MEGATRON_FLAGS = {
+    "--schedule": "--pp-schedule",
+    "--vpp": "--pp-chunks",
+    "--slices": "--pp-seq-slices",
+    "--microbatches": "--global-batch-size / --micro-batch-size (the number of microbatches)",
+    "--pp": "--pipeline-model-parallel-size",
+    "--memory-limit": "--pp-memory-limit",
+}
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the flags choose. ``chunks`` is chunks (virtual stages) per rank; None: the
+    schedule's default (1, or 2 for V-shape and interleaved schedules)."""
+
+    schedule: str = "1f1b"
+    chunks: int | None = None
+    slices: int = 1
+    slice_partition: str | None = None
+    memory_limit: float | None = None
+    costs: Costs = field(default_factory=Costs)
+    p2p_timeout: float = 300.0
+
+    @classmethod
+    def from_args(cls, args: Any) -> PipelineOptions:
+        costs = getattr(args, "pp_zb_costs", None)
+        return cls(
+            schedule=getattr(args, "pp_schedule", "1f1b"),
+            chunks=getattr(args, "pp_chunks", None),
+            slices=getattr(args, "pp_seq_slices", 1),
+            slice_partition=getattr(args, "pp_slice_partition", None),
+            memory_limit=getattr(args, "pp_memory_limit", None),
+            costs=costs if isinstance(costs, Costs) else parse_costs(costs or "1,1,1"),
+            p2p_timeout=getattr(args, "pp_p2p_timeout", 300.0),
+        )
+
+    def schedule_for(
+        self, pp: int, num_microbatches: int, flags: dict[str, str] = MEGATRON_FLAGS
+    ) -> Schedule:
+        """Generate (and so check) the schedule; a bad request raises :class:`OptionError` naming
+        the flag, as ``flags`` translates the generator's flag names."""
+        try:
+            schedule = generate(
+                self.schedule,
+                pp,
+                num_microbatches,
+                vpp=self.chunks,
+                slices=self.slices,
+                costs=self.costs,
+                memory_limit=self.memory_limit,
+            )
+        except RequestError as error:
+            raise OptionError(str(error), flags.get(error.flag, error.flag)) from None
+        if self.slice_partition:
+            schedule.meta["partition"] = self.slice_partition
+        return schedule
+
+
+def parse_costs(text: str) -> Costs:
+    values = [float(part) for part in str(text).split(",")]
+    if len(values) != 3 or min(values) <= 0:
+        raise ValueError(f"--pp-zb-costs: expected three positive numbers F,B,W, got {text!r}")
+    return Costs(forward=values[0], backward=values[1], weight=values[2])
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's ``extra_args_provider``: adds the pipeline-schedule flags."""
+    group = parser.add_argument_group(title="megatron_pp_ext pipeline schedules")
+    group.add_argument(
+        "--pp-schedule", default="1f1b", choices=list(SCHEDULES), help="pipeline schedule (default 1f1b)"
+    )
+    group.add_argument(
+        "--pp-chunks",
+        type=int,
+        default=None,
+        help="model chunks (virtual stages) per pipeline rank; default: the schedule's",
+    )
+    group.add_argument(
+        "--pp-seq-slices",
+        type=int,
+        default=1,
+        help="sequence slices per microbatch (Seq1F1B, SlimPipe, sliced ZB/V-shape)",
+    )
+    group.add_argument(
+        "--pp-slice-partition",
+        choices=("uniform", "balanced"),
+        default=None,
+        help="how to cut the sequence into slices; default: the schedule's",
+    )
+    group.add_argument(
+        "--pp-memory-limit", type=float, default=None, help="activation limit in units of M for zb-auto"
+    )
+    group.add_argument("--pp-zb-costs", default="1,1,1", help="F,B,W op costs that zb-auto plans with")
+    group.add_argument(
+        "--pp-p2p-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a rank waits for a peer before failing with the op and peer named",
+    )
+    return parser
+
+
+class Installed:
+    """The installed hook: builds one PipelineRuntime per model-chunk list and one schedule per
+    microbatch count, on first use (every pipeline rank reaches the first training step together,
+    which is when the p2p groups are created)."""
+
+    def __init__(self, options: PipelineOptions) -> None:
+        self.options = options
+        self._runtimes: dict[tuple[int, ...], Any] = {}
+        self._schedules: dict[tuple[int, int], Schedule] = {}
+        self._patched: list[tuple[Any, str, Any]] = []
+        self.last_result: Any = None
+
+    # -- what Megatron calls ------------------------------------------------------------------
+
+    def get_forward_backward_func(self, pp_size: int | None = None, vp_size: int | None = None) -> Callable:
+        return self.forward_backward_func
+
+    def forward_backward_func(self, **kwargs: Any) -> list[Any]:
+        from ..runtime import forward_backward
+
+        models = kwargs["model"] if isinstance(kwargs["model"], (list, tuple)) else [kwargs["model"]]
+        runtime = self._runtime(models)
+        schedule = self.schedule(runtime.comm.size, kwargs["num_microbatches"])
+        losses = forward_backward(runtime, schedule, **kwargs)
+        self.last_result = runtime.last_result
+        return losses
+
+    # -- pieces -------------------------------------------------------------------------------
+
+    def schedule(self, pp: int, num_microbatches: int) -> Schedule:
+        key = (pp, num_microbatches)
+        if key not in self._schedules:
+            self._schedules[key] = self.options.schedule_for(pp, num_microbatches)
+        return self._schedules[key]
+
+    def _runtime(self, models: list[Any]) -> Any:
+        key = tuple(id(model) for model in models)
+        if key not in self._runtimes:
+            import torch.distributed as dist
+            from megatron.core import parallel_state
+            from megatron.core.utils import get_model_config
+
+            from ..runtime import PipeComm, PipelineRuntime
+
+            ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+            config = get_model_config(models[0])
+            comm = PipeComm(ranks=ranks, timeout_s=self.options.p2p_timeout)
+            self._runtimes[key] = PipelineRuntime(
+                models, comm, (1, 1, config.hidden_size), config.pipeline_dtype or config.params_dtype, config
+            )
+        return self._runtimes[key]
+
+    def patch(self) -> None:
+        """Point every reference to megatron-core's get_forward_backward_func at ours."""
+        from megatron.core import pipeline_parallel
+        from megatron.core.pipeline_parallel import schedules
+
+        original = schedules.get_forward_backward_func
+        targets = {pipeline_parallel, schedules}
+        for module in list(sys.modules.values()):
+            if getattr(module, "get_forward_backward_func", None) is original:
+                targets.add(module)
+        for module in targets:
+            self._patched.append((module, "get_forward_backward_func", module.get_forward_backward_func))
+            module.get_forward_backward_func = self.get_forward_backward_func
+
+    def uninstall(self) -> None:
+        for module, name, value in reversed(self._patched):
+            setattr(module, name, value)
+        self._patched.clear()
+        for runtime in self._runtimes.values():
+            runtime.comm.close()
+        self._runtimes.clear()
+
+
+_active: Installed | None = None
+
+
+def install(args: Any = None, options: PipelineOptions | None = None, **overrides: Any) -> Installed:
+    """Install the hook with options from Megatron's parsed ``args`` (see :func:`add_args`),
+    or ``options``, and/or keyword overrides (``schedule="zb-h1"``, ``slices=4``, ...).
+    Installing again replaces the previous hook. If ``args`` carries the pipeline size and
+    microbatch count (Megatron's ``pipeline_model_parallel_size``, ``global_batch_size``,
+    ``micro_batch_size``, ``data_parallel_size``), the schedule is generated now, so a bad flag
+    fails before training."""
+    global _active
+    if options is None:
+        options = PipelineOptions.from_args(args) if args is not None else PipelineOptions()
+    if overrides:
+        options = dataclasses.replace(options, **overrides)
+    if options.schedule not in SCHEDULES:
+        choices = ", ".join(SCHEDULES)
+        raise OptionError(f"unknown schedule {options.schedule!r}; choose from {choices}", "--pp-schedule")
+    pp = getattr(args, "pipeline_model_parallel_size", None)
+    microbatches = _num_microbatches(args)
+    if pp and microbatches:
+        options.schedule_for(pp, microbatches)  # fail early, with the flag named
+    if _active is not None:
+        _active.uninstall()
+    hook = Installed(options)
+    hook.patch()
+    _active = hook
+    return hook
+
+
+def _num_microbatches(args: Any) -> int | None:
+    try:
+        data_parallel = getattr(args, "data_parallel_size", None) or 1
+        return args.global_batch_size // (args.micro_batch_size * data_parallel)
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
+
+
+def uninstall() -> None:
+    global _active
+    if _active is not None:
+        _active.uninstall()
+        _active = None
