@@ -103,7 +103,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's ``extra_args_provider``: adds the pipeline-schedule flags."""
     group = parser.add_argument_group(title="megatron_pp_ext pipeline schedules")
     group.add_argument(
-        "--pp-schedule", default="1f1b", choices=list(SCHEDULES), help="pipeline schedule (default 1f1b)"
+        "--pp-schedule",
+        default="1f1b",
+        metavar="NAME",
+        help=f"pipeline schedule: {', '.join(SCHEDULES)} (default 1f1b)",
     )
     group.add_argument(
         "--pp-chunks",
@@ -231,7 +234,7 @@ def install(args: Any = None, options: PipelineOptions | None = None, **override
         raise OptionError(f"unknown schedule {options.schedule!r}; choose from {choices}", "--pp-schedule")
     pp = getattr(args, "pipeline_model_parallel_size", None)
     microbatches = _num_microbatches(args)
-    if pp and microbatches:
+    if pp and microbatches is not None:
         options.schedule_for(pp, microbatches)  # fail early, with the flag named
     if _active is not None:
         _active.uninstall()
