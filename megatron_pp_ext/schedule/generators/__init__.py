@@ -7,12 +7,17 @@ impossible request fails early with the flag to change, before anything is gener
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..ir import Schedule
+from .dualpipev import dualpipev
+from .interleaved import interleaved_1f1b
 from .one_f_one_b import one_f_one_b
 from .request import Costs, RequestError, ScheduleRequest
+from .sliced import seq1f1b, seq1f1b_interleaved, slimpipe, slimpipe_interleaved
+from .vshape import v_half, v_min, v_zb
+from .zero_bubble import zb_auto, zb_h1, zb_h2
 
 __all__ = ["Costs", "RequestError", "ScheduleRequest", "SCHEDULES", "GeneratorSpec", "generate"]
 
@@ -24,9 +29,11 @@ class GeneratorSpec:
     summary: str
     placement: str = "interleaved"  # "interleaved" or "vshape"
     default_vpp: int = 1
-    allowed_vpp: tuple[int, ...] | None = (1,)  # None: any vpp >= 1
+    allowed_vpp: tuple[int, ...] | None = (1,)  # None: any vpp >= min_vpp
     default_partition: str = "uniform"  # how sliced runs cut the sequence by default
     min_microbatches: Callable[[int, int, int], int] = lambda pp, vpp, slices: 1
+    min_vpp: int = 1
+    min_slices: Callable[[int, int], int] = lambda pp, vpp: 1
 
 
 SCHEDULES: dict[str, GeneratorSpec] = {}
@@ -37,6 +44,64 @@ def register(spec: GeneratorSpec) -> None:
 
 
 register(GeneratorSpec("1f1b", one_f_one_b, "PipeDream-flush 1F1B (Megatron's default)"))
+register(
+    GeneratorSpec(
+        "interleaved-1f1b",
+        interleaved_1f1b,
+        "Megatron's interleaved 1F1B: v chunks per rank, groups of p microbatches",
+        default_vpp=2,
+        allowed_vpp=None,
+        min_vpp=2,
+    )
+)
+register(GeneratorSpec("zb-h1", zb_h1, "Zero Bubble H1: 1F1B's memory, W fills the cool-down"))
+register(GeneratorSpec("zb-h2", zb_h2, "Zero Bubble H2: up to 2p-1 in flight, no steady-state bubble"))
+register(
+    GeneratorSpec(
+        "zb-auto", zb_auto, "Zero Bubble automatic: greedy list scheduling from costs under --memory-limit"
+    )
+)
+_V = {"placement": "vshape", "default_vpp": 2, "allowed_vpp": (2,)}
+register(GeneratorSpec("v-min", v_min, "V-shape, minimal memory (about M/3)", **_V))
+register(GeneratorSpec("v-half", v_half, "V-shape, half of 1F1B's memory and bubble", **_V))
+register(GeneratorSpec("v-zb", v_zb, "V-shape zero bubble at 1F1B's memory", **_V))
+register(
+    GeneratorSpec(
+        "dualpipev",
+        dualpipev,
+        "DeepSeek's DualPipeV: DualPipe cut in half on a V, overlapped F&B pairs",
+        min_microbatches=lambda pp, vpp, slices: -(-(2 * pp + slices - 1) // slices),
+        **_V,
+    )
+)
+register(
+    GeneratorSpec(
+        "seq1f1b", seq1f1b, "Seq1F1B: 1F1B over sequence slices", default_partition="balanced"
+    )
+)
+register(
+    GeneratorSpec(
+        "seq1f1b-interleaved",
+        seq1f1b_interleaved,
+        "Seq1F1B interleaved: groups of ceil(p/k) microbatches",
+        default_vpp=2,
+        allowed_vpp=None,
+        min_vpp=2,
+        default_partition="balanced",
+    )
+)
+register(GeneratorSpec("slimpipe", slimpipe, "SlimPipe: uniform slices, k + 2(p-1-r) slices in flight"))
+register(
+    GeneratorSpec(
+        "slimpipe-interleaved",
+        slimpipe_interleaved,
+        "SlimPipe interleaved: k*v + 2(p-1-r) slices in flight, needs k >= p",
+        default_vpp=2,
+        allowed_vpp=None,
+        min_vpp=2,
+        min_slices=lambda pp, vpp: pp,
+    )
+)
 
 
 def generate(
@@ -57,11 +122,21 @@ def generate(
     if pp < 1:
         raise RequestError(f"pipeline size must be at least 1, got {pp}", flag="--pp")
     vpp = spec.default_vpp if vpp is None else vpp
-    if vpp < 1 or (spec.allowed_vpp is not None and vpp not in spec.allowed_vpp):
-        allowed = "any value >= 1" if spec.allowed_vpp is None else " or ".join(map(str, spec.allowed_vpp))
+    if vpp < max(1, spec.min_vpp) or (spec.allowed_vpp is not None and vpp not in spec.allowed_vpp):
+        allowed = (
+            f"any value >= {max(1, spec.min_vpp)}"
+            if spec.allowed_vpp is None
+            else " or ".join(map(str, spec.allowed_vpp))
+        )
         raise RequestError(f"{name} takes --vpp {allowed}, got {vpp}", flag="--vpp")
     if slices < 1:
         raise RequestError(f"--slices must be at least 1, got {slices}", flag="--slices")
+    needed_slices = spec.min_slices(pp, vpp)
+    if slices < needed_slices:
+        raise RequestError(
+            f"{name} with pp={pp} needs at least {needed_slices} slices per microbatch, got {slices}",
+            flag="--slices",
+        )
     needed = spec.min_microbatches(pp, vpp, slices)
     if microbatches < needed:
         raise RequestError(
