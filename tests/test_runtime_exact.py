@@ -19,7 +19,9 @@ from runtime_case import forward_step, loss_values, make_batches, rel_error, tin
 
 # The non-sliced schedules the registry is expected to hold; missing ones show as xfail.
 EXPECTED = ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "v-min", "v-half", "v-zb", "dualpipev"]
-SLICED = {"seq1f1b", "slimpipe"}
+# Sliced schedules run here with one slice per microbatch where their generator allows it (the
+# sliced runtime is tested elsewhere); a generator that refuses one slice is skipped.
+SLICED = {"seq1f1b", "seq1f1b-interleaved", "slimpipe", "slimpipe-interleaved"}
 GRAD_TOLERANCE = 1e-5
 ADAM_STEPS = 3
 LR = 1e-3
@@ -197,7 +199,7 @@ def exactness_worker(rank: int, world: int, microbatches: int, names: list[str],
 
 @functools.cache
 def _launch(world: int, dtype: str = "float32") -> tuple:
-    names = LOCAL + [n for n in registered() if n not in SLICED] + [n for n in SLICED if n in registered()]
+    names = LOCAL + registered()
     results = check_ok(run_ranks(exactness_worker, world, CASES[world], names, dtype, timeout=240))
     return tuple(results)
 
@@ -206,6 +208,9 @@ def _check(world: int, name: str, dtype: str = "float32", tolerance: float = GRA
     if name not in registered() and name not in LOCAL:
         pytest.xfail(f"schedule {name!r} is not in the registry yet")
     reports = [r[name] for r in _launch(world, dtype)]
+    refused = [r["error"] for r in reports if r.get("error", "").startswith("generate: RequestError")]
+    if refused and name not in EXPECTED:
+        pytest.skip(refused[0])
     errors = [f"rank {rank}: {r['error']}" for rank, r in enumerate(reports) if "error" in r]
     assert not errors, "\n".join(errors)
     for rank, r in enumerate(reports):
@@ -221,7 +226,7 @@ def _check(world: int, name: str, dtype: str = "float32", tolerance: float = GRA
 
 
 def _names() -> list[str]:
-    return LOCAL + EXPECTED + [n for n in registered() if n not in EXPECTED and n not in SLICED]
+    return LOCAL + EXPECTED + [n for n in registered() if n not in EXPECTED]
 
 
 @pytest.mark.parametrize("name", _names())
