@@ -77,12 +77,13 @@ def interleaved_schedule(
 def interleaved_1f1b(request: ScheduleRequest) -> Schedule:
     """Groups of p microbatches; rank r warms up with 2(p-r-1) forwards (two per hop, because a
     forward and a backward pass each hop in one steady-state step) plus (v-1) groups, so that
-    the first microbatch has reached the last chunk when the first backward is due."""
+    the first microbatch has reached the last chunk when the first backward is due, plus k-1
+    units so that the first microbatch's last slice has too (its backward comes first)."""
     pp, chunks, slices = request.pp, request.vpp, request.slices
     group = pp
     return interleaved_schedule(
         request,
         "interleaved-1f1b",
         group,
-        lambda rank: 2 * (pp - rank - 1) + (chunks - 1) * group * slices,
+        lambda rank: 2 * (pp - rank - 1) + (chunks - 1) * group * slices + slices - 1,
     )

@@ -100,14 +100,31 @@ class _Engine:
         split_backward: bool,
     ) -> None:
         self.place = placement
-        self.num_stages = placement.num_stages
+        self.num_stages = stages = placement.num_stages
         self.microbatches = microbatches
         self.slices = slices
         self.policy = policy
-        self.costs = costs
         self.split = split_backward
-        self.forward_order = units(microbatches, slices)
-        self.backward_order = backward_units(microbatches, slices)
+        forward_order = units(microbatches, slices)
+        backward_order = backward_units(microbatches, slices)
+        self.units = n = len(forward_order)
+        forward_index = {unit: index for index, unit in enumerate(forward_order)}
+        # the forward index of the unit at each backward position
+        self.forward_of_backward = [forward_index[unit] for unit in backward_order]
+        back_kind = OpKind.B if split_backward else OpKind.BW
+        self.forward_ops = [[Op(OpKind.F, s, mb, j) for mb, j in forward_order] for s in range(stages)]
+        self.backward_ops = [[Op(back_kind, s, mb, j) for mb, j in backward_order] for s in range(stages)]
+        self.weight_ops = [[Op(OpKind.W, s, mb, j) for mb, j in backward_order] for s in range(stages)]
+        self.owner = [placement.rank_of(s) for s in range(stages)]
+        self.forward_done_at = [[_INF] * n for _ in range(stages)]
+        self.backward_done_at = [[_INF] * n for _ in range(stages)]
+        self.duration = {
+            OpKind.F: costs.forward,
+            OpKind.B: costs.backward,
+            OpKind.W: costs.weight,
+            OpKind.BW: costs.backward + costs.weight,
+        }
+        self.comm = costs.comm
         self.views = [RankView(rank, tuple(placement.stages_of(rank))) for rank in range(placement.pp)]
         for view in self.views:
             for stage in view.stages:
@@ -116,104 +133,87 @@ class _Engine:
         self.free_at = [0.0] * placement.pp
         self.peak = [0.0] * placement.pp
         self.ops: list[list[Op]] = [[] for _ in range(placement.pp)]
-        self.done_at: dict[tuple[str, Unit], float] = {}  # ("F"|"BACK", unit) -> finish time
-        self.channels: dict[tuple[int, int, str], list[tuple[Unit, float]]] = {}
+        # channel (sender, receiver, "F"|"B") -> messages in send order: (consumer stage, index)
+        self.channels: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
         self.read: dict[tuple[int, int, str], int] = {}
-        self.total = self.num_stages * microbatches * slices * (3 if split_backward else 2)
+        self.total = stages * n * (3 if split_backward else 2)
         self.placed = 0
 
     # ---- readiness ------------------------------------------------------------------------
 
-    def _input_time(self, rank: int, what: str, producer: Unit, consumer: Unit) -> float:
-        """When the output of ``producer`` is usable on ``rank`` for ``consumer``; inf if not yet."""
-        if (what, producer) not in self.done_at:
-            return _INF
-        owner = self.place.rank_of(producer[0])
-        if owner == rank:
-            return self.done_at[(what, producer)]
+    def _input_time(self, rank: int, what: str, producer: int, consumer: int, index: int) -> float:
+        """When the output of stage ``producer`` for position ``index`` (in the forward order for
+        "F", the backward order for "B") is usable on ``rank`` by stage ``consumer``."""
+        done = (self.forward_done_at if what == "F" else self.backward_done_at)[producer][index]
+        owner = self.owner[producer]
+        if done == _INF or owner == rank:
+            return done
         key = (owner, rank, what)
-        messages = self.channels.get(key, [])
         position = self.read.get(key, 0)
-        if position >= len(messages) or messages[position][0] != consumer:
+        messages = self.channels[key]
+        if position >= len(messages) or messages[position] != (consumer, index):
             return _INF  # not the next message on its channel: wait for the ones before it
-        return messages[position][1]
+        return done + self.comm
 
     def _candidates(self, rank: int) -> list[tuple[Op, float]]:
         view = self.views[rank]
         found: list[tuple[Op, float]] = []
-        total_units = len(self.forward_order)
+        n, last = self.units, self.num_stages - 1
         for stage in view.stages:
             index = view.forwards_done[stage]
-            if index < total_units:
-                mb, j = self.forward_order[index]
-                unit = (stage, mb, j)
-                ready = 0.0
-                if stage > 0:
-                    ready = self._input_time(rank, "F", (stage - 1, mb, j), unit)
-                if j > 0:
-                    ready = max(ready, self.done_at.get(("F", (stage, mb, j - 1)), _INF))
-                found.append((Op(OpKind.F, stage, mb, j), ready))
+            if index < n:
+                ready = 0.0 if stage == 0 else self._input_time(rank, "F", stage - 1, stage, index)
+                found.append((self.forward_ops[stage][index], ready))
             index = view.backwards_done[stage]
-            if index < total_units:
-                mb, j = self.backward_order[index]
-                unit = (stage, mb, j)
-                ready = self.done_at.get(("F", unit), _INF)
-                if stage < self.num_stages - 1:
-                    ready = max(ready, self._input_time(rank, "BACK", (stage + 1, mb, j), unit))
-                if j < self.slices - 1:
-                    ready = max(ready, self.done_at.get(("BACK", (stage, mb, j + 1)), _INF))
-                found.append((Op(OpKind.B if self.split else OpKind.BW, stage, mb, j), ready))
+            if index < n:
+                if self.forward_of_backward[index] >= view.forwards_done[stage]:
+                    ready = _INF  # its own forward has not run yet
+                else:
+                    ready = self.forward_done_at[stage][self.forward_of_backward[index]]
+                    if stage < last:
+                        ready = max(ready, self._input_time(rank, "B", stage + 1, stage, index))
+                found.append((self.backward_ops[stage][index], ready))
         if view.pending_weights:
             found.append((view.pending_weights[0], self.free_at[rank]))
         return found
 
     # ---- placing an op --------------------------------------------------------------------
 
-    def _duration(self, kind: OpKind) -> float:
-        c = self.costs
-        return {
-            OpKind.F: c.forward,
-            OpKind.B: c.backward,
-            OpKind.W: c.weight,
-            OpKind.BW: c.backward + c.weight,
-        }[kind]
-
-    def _consume(self, rank: int, what: str, producer_stage: int) -> None:
-        owner = self.place.rank_of(producer_stage)
-        if owner != rank:
-            key = (owner, rank, what)
+    def _message(self, rank: int, what: str, producer: int, consumer: int, index: int, send: bool) -> None:
+        other = self.owner[consumer if send else producer]
+        if other == rank:
+            return
+        if send:
+            self.channels.setdefault((rank, other, what), []).append((consumer, index))
+        else:
+            key = (other, rank, what)
             self.read[key] = self.read.get(key, 0) + 1
-
-    def _send(self, rank: int, what: str, consumer_stage: int, unit: Unit, finish: float) -> None:
-        owner = self.place.rank_of(consumer_stage)
-        if owner != rank:
-            consumer = (consumer_stage, unit[1], unit[2])
-            self.channels.setdefault((rank, owner, what), []).append((consumer, finish + self.costs.comm))
 
     def _place(self, rank: int, op: Op, start: float) -> None:
         view = self.views[rank]
-        finish = start + self._duration(op.kind)
-        stage, unit = op.stage, op.unit
-        last = self.num_stages - 1
+        finish = start + self.duration[op.kind]
+        stage, last = op.stage, self.num_stages - 1
         if op.kind == OpKind.F:
+            index = view.forwards_done[stage]
             if stage > 0:
-                self._consume(rank, "F", stage - 1)
-            self.done_at[("F", unit)] = finish
+                self._message(rank, "F", stage - 1, stage, index, send=False)
+            self.forward_done_at[stage][index] = finish
             if stage < last:
-                self._send(rank, "F", stage + 1, unit, finish)
+                self._message(rank, "F", stage, stage + 1, index, send=True)
             view.forwards_done[stage] += 1
             view.activations += 1
             self.peak[rank] = max(self.peak[rank], view.memory)
         elif op.kind in (OpKind.B, OpKind.BW):
+            index = view.backwards_done[stage]
             if stage < last:
-                self._consume(rank, "BACK", stage + 1)
-            self.done_at[("BACK", unit)] = finish
+                self._message(rank, "B", stage + 1, stage, index, send=False)
+            self.backward_done_at[stage][index] = finish
             if stage > 0:
-                self._send(rank, "BACK", stage - 1, unit, finish)
+                self._message(rank, "B", stage, stage - 1, index, send=True)
             view.backwards_done[stage] += 1
             view.activations -= 1
             if op.kind == OpKind.B:
-                view.pending_weights.append(Op(OpKind.W, stage, op.microbatch, op.slice))
+                view.pending_weights.append(self.weight_ops[stage][index])
         else:
             view.pending_weights.remove(op)
         self.ops[rank].append(op)
@@ -224,13 +224,11 @@ class _Engine:
 
     def run(self, name: str, meta: dict) -> ListResult:
         pp = self.place.pp
-        per_rank = [
-            len(view.stages) * len(self.forward_order) * (3 if self.split else 2) for view in self.views
-        ]
-        while self.placed < self.total:
-            active = [r for r in range(pp) if len(self.ops[r]) < per_rank[r]]
+        remaining = [len(view.stages) * self.units * (3 if self.split else 2) for view in self.views]
+        active = [r for r in range(pp) if remaining[r]]
+        while active:
             now = min(self.free_at[r] for r in active)
-            waiting: list[int] = []
+            waiting: list[tuple[int, list[tuple[Op, float]]]] = []
             for rank in active:
                 if self.free_at[rank] > now:
                     continue
@@ -241,19 +239,22 @@ class _Engine:
                 view.next_arrival = min((at for _, at in candidates if at > now + 1e-9), default=_INF)
                 choice = self.policy(view, ready) if ready else None
                 if choice is None:
-                    waiting.append(rank)
+                    waiting.append((rank, candidates))
                 else:
                     self._place(rank, choice, now)
+                    remaining[rank] -= 1
+            active = [r for r in active if remaining[r]]
             if not waiting:
                 continue
             future = [self.free_at[r] for r in active if self.free_at[r] > now]
-            for rank in waiting:
+            for rank, _ in waiting:
+                # inputs that land later than now, now that this round's ops are placed
                 future.extend(at for _, at in self._candidates(rank) if now + 1e-9 < at < _INF)
             if not future:
-                stuck = ", ".join(f"rank {r} ({len(self.ops[r])}/{per_rank[r]} ops)" for r in waiting)
+                stuck = ", ".join(f"rank {r} ({len(self.ops[r])} ops placed)" for r, _ in waiting)
                 raise RuntimeError(f"list scheduler for {name} is stuck: {stuck}")
             wake = min(future)
-            for rank in waiting:
+            for rank, _ in waiting:
                 self.free_at[rank] = wake
         makespan = max(self.free_at) if pp else 0.0
         schedule = Schedule(

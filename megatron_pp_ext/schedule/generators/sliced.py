@@ -35,14 +35,15 @@ def slimpipe(request: ScheduleRequest) -> Schedule:
 def seq1f1b_interleaved(request: ScheduleRequest) -> Schedule:
     """Megatron's interleaved schedule over units. A group needs p units for the round trip,
     not p microbatches, so groups hold ceil(p/k) whole microbatches: less warm-up memory than
-    interleaving whole microbatches."""
+    interleaving whole microbatches. Warm-up as in interleaved 1F1B (k-1 extra units for the
+    last slice of the first microbatch)."""
     pp, chunks, slices = request.pp, request.vpp, request.slices
     group = -(-pp // slices)
     return interleaved_schedule(
         request,
         "seq1f1b-interleaved",
         group,
-        lambda rank: 2 * (pp - rank - 1) + (chunks - 1) * group * slices,
+        lambda rank: 2 * (pp - rank - 1) + (chunks - 1) * group * slices + slices - 1,
     )
 
 

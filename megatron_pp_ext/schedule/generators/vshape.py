@@ -8,7 +8,7 @@ about (lifespan of a unit on it) / 6 units, so the block's shape sets the memory
 
 * the forwards go down and back up the V one slot apart, each op taking the first slot that is
   free modulo 6 on its rank (so the repeated blocks never collide);
-* after ``turn`` idle slots at the bottom of the V... that is, at the loss, the backwards come
+* after ``turn`` extra slots at the loss (the end of the V, back on rank 0), the backwards go
   back the same way, and each W follows its B after ``w_delay`` slots.
 
 A short turn gives V-Min, a longer one V-Half, longer still V-ZB. Repeating the block and running
@@ -144,11 +144,13 @@ def v_shape(request: ScheduleRequest, name: str, turn: int, w_delay: int, cap_un
 
 def v_min(request: ScheduleRequest) -> Schedule:
     """The shortest lifespan the V allows: forwards straight down and up, backwards straight
-    back, W right after B; no extra warm-up forwards. About M/3 at rank 0, bubble about 2/3 of
-    1F1B's. (When 3 divides p the tight block collides with itself modulo 6; starting the Ws
-    half a period later untangles it.)"""
+    back, W right after B. About M/3 at rank 0, bubble about 2/3 of 1F1B's. Whole microbatches
+    already fill M/3, so no extra warm-up forwards; sliced units hold far less, so the warm-up
+    fills up to M/3 (2p/3 stage-units). (When 3 divides p the tight block collides with itself
+    modulo 6; starting the Ws half a period later untangles it.)"""
     pp = request.pp
-    return v_shape(request, "v-min", turn=0, w_delay=3 if pp % 3 == 0 else 0, cap_units=0)
+    cap = 0.0 if request.slices == 1 else 2 * pp / 3
+    return v_shape(request, "v-min", turn=0, w_delay=3 if pp % 3 == 0 else 0, cap_units=cap)
 
 
 def v_half(request: ScheduleRequest) -> Schedule:
