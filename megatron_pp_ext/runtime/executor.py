@@ -15,7 +15,6 @@ zeroing them, finalising them (``finalize_model_grads``) and the optimizer step 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,9 +52,9 @@ class PipelineError(RuntimeError):
     """An op failed; the message names the rank and the op."""
 
 
-@functools.lru_cache(maxsize=64)
-def _prepared(schedule_json: str, forward_only: bool) -> Schedule:
-    lowered = lower(Schedule.from_json(schedule_json))
+def prepare(schedule: Schedule, forward_only: bool = False) -> Schedule:
+    """The lowered, validated schedule the executor runs (forward ops only if ``forward_only``)."""
+    lowered = lower(schedule)
     validate(lowered)
     if forward_only:
         # Forwards depend only on forwards, so dropping every backward op keeps a valid
@@ -63,11 +62,6 @@ def _prepared(schedule_json: str, forward_only: bool) -> Schedule:
         keep = (OpKind.F, OpKind.SEND_F, OpKind.RECV_F)
         lowered = lowered.with_ranks([[op for op in ops if op.kind in keep] for ops in lowered.ranks])
     return lowered
-
-
-def prepare(schedule: Schedule, forward_only: bool = False) -> Schedule:
-    """The lowered, validated schedule the executor runs (forward ops only if ``forward_only``)."""
-    return _prepared(schedule.to_json(), forward_only)
 
 
 class PipelineRuntime:
@@ -100,6 +94,7 @@ class PipelineRuntime:
         _check_parallel_state(comm.size)
         self.meter = ActivationMeter()
         self.last_result: StepResult | None = None
+        self._prepared: dict[tuple[str, bool], Schedule] = {}  # validated once per schedule
 
     # ------------------------------------------------------------------------------------------
 
@@ -119,7 +114,10 @@ class PipelineRuntime:
             raise ValueError(
                 f"schedule {schedule.name} has pp={schedule.pp}, the pipeline has {self.comm.size} ranks"
             )
-        lowered = prepare(schedule, forward_only)
+        key = (schedule.to_json(), forward_only)
+        if key not in self._prepared:
+            self._prepared[key] = prepare(schedule, forward_only)
+        lowered = self._prepared[key]
         stages = lowered.placement.stages_of(self.rank)
         if len(stages) != len(self.chunks):
             raise ValueError(
