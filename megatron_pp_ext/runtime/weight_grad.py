@@ -119,6 +119,7 @@ class _DeferrableLinearFunction(torch.autograd.Function):
     """``y = x W^T (+ b)`` whose backward defers dW (and db) when the store is collecting."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")  # like Megatron's linear: no-op without CUDA autocast
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore) -> Tensor:
         # The parameter itself goes on ctx, not through save_for_backward: saved-tensor hooks
         # (activation accounting) would hand back an alias, and W must accumulate into the
@@ -131,6 +132,7 @@ class _DeferrableLinearFunction(torch.autograd.Function):
         return out + bias if bias is not None else out
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         weight = ctx.weight
