@@ -89,13 +89,15 @@ class FollowBlock:
         self.pp = pp
         self.cap = cap
         self.position = [0] * len(plan)
-        self.done: list[set[Op]] = [set() for _ in plan]
+        self.index = [{op: i for i, op in enumerate(ops)} for ops in plan]
+        self.done = [bytearray(len(ops)) for ops in plan]
 
     def _next_planned(self, rank: int) -> Op | None:
-        ops, done = self.plan[rank], self.done[rank]
-        while self.position[rank] < len(ops) and ops[self.position[rank]] in done:
-            self.position[rank] += 1
-        return ops[self.position[rank]] if self.position[rank] < len(ops) else None
+        ops, done, i = self.plan[rank], self.done[rank], self.position[rank]
+        while i < len(ops) and done[i]:
+            i += 1
+        self.position[rank] = i
+        return ops[i] if i < len(ops) else None
 
     def _choose(self, view: RankView, ready: list[Op]) -> Op | None:
         planned = self._next_planned(view.rank)
@@ -119,7 +121,7 @@ class FollowBlock:
     def __call__(self, view: RankView, ready: list[Op]) -> Op | None:
         choice = self._choose(view, ready)
         if choice is not None:
-            self.done[view.rank].add(choice)
+            self.done[view.rank][self.index[view.rank][choice]] = 1
         return choice
 
 
@@ -163,7 +165,7 @@ def v_half(request: ScheduleRequest) -> Schedule:
 
 def v_zb(request: ScheduleRequest) -> Schedule:
     """A turn of 4p-7 slots: a lifespan long enough that the steady state never waits (about M
-    at rank 0, like 1F1B), plus 2p-3 stage-units of warm-up forwards, so that the pipeline has
+    at rank 0, like 1F1B), plus 2p-3 (at least 3) stage-units of warm-up forwards, so that the pipeline has
     no bubble beyond its fill."""
     pp = request.pp
-    return v_shape(request, "v-zb", turn=max(0, 4 * pp - 7), w_delay=3, cap_units=max(1, 2 * pp - 3))
+    return v_shape(request, "v-zb", turn=max(0, 4 * pp - 7), w_delay=3, cap_units=max(3, 2 * pp - 3))

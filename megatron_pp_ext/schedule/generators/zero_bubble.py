@@ -18,9 +18,10 @@ class FollowOrderFillWithW:
     """Run each rank's F and B in a fixed order; a W runs only when the next F/B is not ready
     (the rank would idle) or when that F would put more than ``bound`` stage-units in flight."""
 
-    def __init__(self, order: list[list[Op]], bound: int) -> None:
+    def __init__(self, order: list[list[Op]], bound: int, weight_time: float | None = None) -> None:
         self.order = order
         self.bound = bound
+        self.weight_time = weight_time  # if set, an idle-time W must end before the next input lands
         self.position = [0] * len(order)
 
     def __call__(self, view: RankView, ready: list[Op]) -> Op | None:
@@ -34,6 +35,9 @@ class FollowOrderFillWithW:
                 return planned
             if held_back:
                 return weights[0] if weights else None
+        if weights and self.weight_time is not None:
+            if view.now + self.weight_time > view.next_arrival + 1e-9:
+                return None
         return weights[0] if weights else None
 
 
@@ -140,6 +144,9 @@ def zb_auto(request: ScheduleRequest) -> Schedule:
             pp, request.microbatches, slices, lambda rank: pp - 1 - rank + slices - 1, backward=OpKind.B
         )
         candidates.append(("1f1b-order", FollowOrderFillWithW(order, in_flight_1f1b)))
+        candidates.append(
+            ("1f1b-order-w-fits", FollowOrderFillWithW(order, in_flight_1f1b, weight_time=costs.weight))
+        )
     best: tuple[float, float, ListResult] | None = None
     for label, policy in candidates:
         result = _run(request, "zb-auto", policy, {"memory_limit_m": limit_m, "policy": label})
