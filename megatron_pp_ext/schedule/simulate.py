@@ -11,6 +11,7 @@ Bubble rate of a rank = idle time / makespan; the overall rate is the mean over 
 
 from __future__ import annotations
 
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,13 +123,21 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         peak[rank] = max(peak[rank], memory[rank])
         curves[rank].append((time, memory[rank]))
 
-    progress = True
-    while progress:
-        progress = False
-        for rank, ops in enumerate(lowered.ranks):
-            while pointers[rank] < len(ops) and step(rank, ops[pointers[rank]]):
-                pointers[rank] += 1
-                progress = True
+    # A rank runs until a RECV waits for a message not yet sent; the SEND wakes it.
+    waiting: dict[tuple[OpKind, tuple[int, int, int]], list[int]] = defaultdict(list)
+    ready = deque(range(lowered.pp))
+    while ready:
+        rank = ready.popleft()
+        ops = lowered.ranks[rank]
+        while pointers[rank] < len(ops):
+            op = ops[pointers[rank]]
+            if not step(rank, op):
+                waiting[(op.kind, op.unit)].append(rank)
+                break
+            if op.kind in (OpKind.SEND_F, OpKind.SEND_B):
+                match = matching_op(op)
+                ready.extend(waiting.pop((match.kind, match.unit), ()))
+            pointers[rank] += 1
     stuck = [r for r in range(lowered.pp) if pointers[r] < len(lowered.ranks[r])]
     if stuck:
         detail = "; ".join(f"rank {r} waits at {format_op(lowered.ranks[r][pointers[r]])}" for r in stuck)

@@ -15,7 +15,7 @@ It checks, and its error names the first broken rule:
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from .deps import Unit, compute_dependencies, describe
 from .ir import COMPUTE_KINDS, Op, OpKind, Schedule, format_op
@@ -153,67 +153,81 @@ _SATISFIES = {
 
 
 class _Execution:
-    """Zero-cost execution of a schedule: which ops have run so far."""
+    """Zero-cost execution of a schedule: the facts established so far ("F of this unit ran",
+    "this message was sent", "rank r received this message")."""
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
         self.lowered = schedule.is_lowered
-        self.done: set[tuple[str, Unit]] = set()
-        self.received: dict[int, set[tuple[OpKind, Unit]]] = defaultdict(set)
-        self.sent: set[tuple[OpKind, Unit]] = set()
+        self.facts: set[tuple] = set()
 
-    def missing(self, rank: int, op: Op) -> tuple[str, str, frozenset[OpKind], Unit] | None:
+    def missing(self, rank: int, op: Op) -> tuple[str, str, frozenset[OpKind], Unit, tuple] | None:
         """None if ``op`` can run now, else (what it waits for, where that is, the op kinds that
-        would satisfy it, their unit)."""
+        would satisfy it, their unit, the fact it waits for)."""
         place = self.schedule.placement
         if op.is_comm:
             if op.kind in (OpKind.SEND_F, OpKind.SEND_B):
                 what = "F" if op.kind == OpKind.SEND_F else "BACKWARD"
-                if (what, op.unit) not in self.done:
-                    return describe(what, op.unit), f"rank {rank}", _SATISFIES[what], op.unit
+                if (what, op.unit) not in self.facts:
+                    return describe(what, op.unit), f"rank {rank}", _SATISFIES[what], op.unit, (what, op.unit)
                 return None
             match = matching_op(op)
-            if (match.kind, match.unit) not in self.sent:
-                return format_op(match), f"rank {op.peer}", frozenset({match.kind}), match.unit
+            fact = ("SENT", match.kind, match.unit)
+            if fact not in self.facts:
+                return format_op(match), f"rank {op.peer}", frozenset({match.kind}), match.unit, fact
             return None
         for what, unit in compute_dependencies(op, self.schedule.num_stages, self.schedule.slices):
             owner = place.rank_of(unit[0])
             if self.lowered and owner != rank:
                 recv_kind = OpKind.RECV_F if what == "F" else OpKind.RECV_B
-                if (recv_kind, op.unit) not in self.received[rank]:
+                fact = ("RECEIVED", rank, recv_kind, op.unit)
+                if fact not in self.facts:
                     label = f"{recv_kind.value}{describe('', op.unit)}"
-                    return label, f"rank {rank} (from rank {owner})", frozenset({recv_kind}), op.unit
-            elif (what, unit) not in self.done:
-                return describe(what, unit), f"rank {owner}", _SATISFIES[what], unit
+                    return label, f"rank {rank} (from rank {owner})", frozenset({recv_kind}), op.unit, fact
+            elif (what, unit) not in self.facts:
+                return describe(what, unit), f"rank {owner}", _SATISFIES[what], unit, (what, unit)
         return None
 
-    def run(self, rank: int, op: Op) -> None:
+    def run(self, rank: int, op: Op) -> list[tuple]:
+        """Record that ``op`` ran; return the facts it established."""
         if op.kind == OpKind.F:
-            self.done.add(("F", op.unit))
+            new = [("F", op.unit)]
         elif op.kind == OpKind.B:
-            self.done.update({("B", op.unit), ("BACKWARD", op.unit)})
+            new = [("B", op.unit), ("BACKWARD", op.unit)]
         elif op.kind == OpKind.BW:
-            self.done.add(("BACKWARD", op.unit))
+            new = [("BACKWARD", op.unit)]
         elif op.kind in (OpKind.SEND_F, OpKind.SEND_B):
-            self.sent.add((op.kind, op.unit))
+            new = [("SENT", op.kind, op.unit)]
         elif op.kind in (OpKind.RECV_F, OpKind.RECV_B):
-            self.received[rank].add((op.kind, op.unit))
+            new = [("RECEIVED", rank, op.kind, op.unit)]
+        else:
+            new = []
+        self.facts.update(new)
+        return new
 
 
 def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
-    """A global order of (rank, position) in which the schedule can run; raises if it cannot."""
+    """A global order of (rank, position) in which the schedule can run; raises if it cannot.
+
+    Each rank runs until its next op waits for a fact that is not established yet; it is woken
+    when that fact appears, so the cost is linear in the number of ops."""
     state = _Execution(schedule)
     pointers = [0] * schedule.pp
     order: list[tuple[int, int]] = []
-    progress = True
-    while progress:
-        progress = False
-        for rank, ops in enumerate(schedule.ranks):
-            while pointers[rank] < len(ops) and state.missing(rank, ops[pointers[rank]]) is None:
-                state.run(rank, ops[pointers[rank]])
-                order.append((rank, pointers[rank]))
-                pointers[rank] += 1
-                progress = True
+    waiting: dict[tuple, list[int]] = defaultdict(list)
+    ready = deque(range(schedule.pp))
+    while ready:
+        rank = ready.popleft()
+        ops = schedule.ranks[rank]
+        while pointers[rank] < len(ops):
+            blocked = state.missing(rank, ops[pointers[rank]])
+            if blocked is not None:
+                waiting[blocked[4]].append(rank)
+                break
+            for fact in state.run(rank, ops[pointers[rank]]):
+                ready.extend(waiting.pop(fact, ()))
+            order.append((rank, pointers[rank]))
+            pointers[rank] += 1
     stuck = [rank for rank in range(schedule.pp) if pointers[rank] < len(schedule.ranks[rank])]
     if stuck:
         raise ScheduleError(_explain_stuck(schedule, state, pointers, stuck))
@@ -225,7 +239,7 @@ def _explain_stuck(schedule: Schedule, state: _Execution, pointers: list[int], s
     for rank in stuck:
         position = pointers[rank]
         op = schedule.ranks[rank][position]
-        needed, where, kinds, unit = state.missing(rank, op)  # type: ignore[misc]
+        needed, where, kinds, unit, _ = state.missing(rank, op)  # type: ignore[misc]
         later = [
             p
             for p in range(position + 1, len(schedule.ranks[rank]))
