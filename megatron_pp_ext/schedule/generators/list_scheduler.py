@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from ..ir import Op, OpKind, Placement, Schedule, backward_units, units
 from .request import Costs
 
-Unit = tuple[int, int, int]
 _INF = float("inf")
 
 

@@ -48,7 +48,7 @@ def one_f_one_b_schedule(request: ScheduleRequest, name: str, warmup: Callable[[
         slices=request.slices,
         placement=Placement(pp, pp, "interleaved"),
         ranks=one_f_one_b_order(pp, request.microbatches, request.slices, warmup),
-        meta={"warmup": [warmup(rank) for rank in range(pp)]},
+        meta={"warmup": [min(warmup(rank), request.microbatches * request.slices) for rank in range(pp)]},
     )
 
 
