@@ -5,7 +5,8 @@ The local spec is Megatron's own GPT layer (SelfAttention + MLP, pre-norm, RMSNo
 DotProductAttention needs CUDA) and Megatron's linears replaced by subclasses whose weight gradient
 can be deferred to a W op (the B/W split). On a GPU with Transformer Engine importable, the TE spec
 is used instead; its weight gradients are then split by the generic path (computed at B, applied
-at W), see ``runtime/weight_grad.py``.
+at W), see ``runtime/weight_grad.py``. Sequence-sliced schedules (Seq1F1B, SlimPipe, sliced
+ZB/V-shape) take ``sliced=True``: the same layer with SlicedCoreAttention as core attention.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from ..attention import SlicedCoreAttention
 from ..runtime.weight_grad import DeferrableColumnParallelLinear, DeferrableRowParallelLinear
 from .attention import SDPAttention
 
 
-def local_layer_spec() -> ModuleSpec:
-    """Megatron's local GPT layer with SDPA core attention and deferrable linears; runs on CPU."""
+def local_layer_spec(sliced: bool = False) -> ModuleSpec:
+    """Megatron's local GPT layer with SDPA core attention and deferrable linears; runs on CPU.
+    ``sliced``: SlicedCoreAttention instead, for schedules that cut sequences into slices."""
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -35,7 +38,7 @@ def local_layer_spec() -> ModuleSpec:
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=DeferrableColumnParallelLinear,
-                    core_attention=SDPAttention,
+                    core_attention=SlicedCoreAttention if sliced else SDPAttention,
                     linear_proj=DeferrableRowParallelLinear,
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,
@@ -65,12 +68,17 @@ def te_available() -> bool:
     return True
 
 
-def layer_spec(use_te: bool | None = None) -> ModuleSpec:
-    """The TE spec when ``use_te`` (default: when TE is available), else :func:`local_layer_spec`."""
+def layer_spec(use_te: bool | None = None, sliced: bool = False) -> ModuleSpec:
+    """The TE spec when ``use_te`` (default: when TE is available), else :func:`local_layer_spec`.
+    ``sliced`` swaps core attention for SlicedCoreAttention (sequence-sliced schedules: it keeps
+    the K/V of a microbatch's earlier slices); the model then needs ``enable_slicing``."""
     if use_te is None:
         use_te = te_available()
     if not use_te:
-        return local_layer_spec()
+        return local_layer_spec(sliced)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_with_transformer_engine_spec()
+    if sliced:
+        spec.submodules.self_attention.submodules.core_attention = SlicedCoreAttention
+    return spec

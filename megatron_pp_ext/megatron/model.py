@@ -29,6 +29,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..schedule.models import ModelShape
 from .layer_spec import layer_spec
 
 DTYPES = {
@@ -67,6 +68,21 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def shape(self) -> ModelShape:
+        """The schedule core's ModelShape (FLOP model, balanced slice partition)."""
+        return ModelShape(
+            name="model",
+            layers=self.num_layers,
+            hidden=self.hidden_size,
+            heads=self.num_attention_heads,
+            kv_heads=self.num_kv_heads,
+            head_dim=self.hidden_size // self.num_attention_heads,
+            ffn=self.ffn_hidden_size,
+            vocab=self.vocab_size,
+            gated=True,
+            bytes_per_element=self.torch_dtype.itemsize,
+        )
 
 
 def transformer_config(model: ModelConfig, num_layers: int | None = None) -> TransformerConfig:
@@ -177,12 +193,17 @@ class DeviceRotaryEmbedding(RotaryEmbedding):
 
 
 def _gpt(
-    model: ModelConfig, num_layers: int, pre_process: bool, post_process: bool, use_te: bool | None
+    model: ModelConfig,
+    num_layers: int,
+    pre_process: bool,
+    post_process: bool,
+    use_te: bool | None,
+    sliced: bool = False,
 ) -> GPTModel:
     config = transformer_config(model, num_layers)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te),
+        transformer_layer_spec=layer_spec(use_te, sliced=sliced),
         vocab_size=model.vocab_size,
         max_sequence_length=model.seq_length,
         pre_process=pre_process,
@@ -196,17 +217,27 @@ def _gpt(
         gpt.rotary_pos_emb.__class__ = DeviceRotaryEmbedding  # same state, device-agnostic get_emb
         gpt.rotary_pos_emb.inv_freq = gpt.rotary_pos_emb.inv_freq.to(device)
     # Torch norms are created in the default dtype whatever params_dtype says.
-    return gpt.to(device=device, dtype=model.torch_dtype)
+    gpt = gpt.to(device=device, dtype=model.torch_dtype)
+    if sliced:
+        from .sliced import enable_slicing
+
+        enable_slicing(gpt)
+    return gpt
 
 
 def build_stage(
-    model: ModelConfig, stage: int, layers_per_stage: list[int], use_te: bool | None = None
+    model: ModelConfig,
+    stage: int,
+    layers_per_stage: list[int],
+    use_te: bool | None = None,
+    sliced: bool = False,
 ) -> GPTModel:
-    """The GPTModel of virtual stage ``stage`` (embedding on stage 0, loss on the last)."""
+    """The GPTModel of virtual stage ``stage`` (embedding on stage 0, loss on the last).
+    ``sliced``: sliced core attention and its SliceContext, for sequence-sliced schedules."""
     last = len(layers_per_stage) - 1
     if not 0 <= stage <= last:
         raise ValueError(f"stage {stage} out of range 0..{last}")
-    return _gpt(model, layers_per_stage[stage], stage == 0, stage == last, use_te)
+    return _gpt(model, layers_per_stage[stage], stage == 0, stage == last, use_te, sliced)
 
 
 def build_chunks(
@@ -215,16 +246,18 @@ def build_chunks(
     rank: int,
     layers_per_stage: list[int] | None = None,
     use_te: bool | None = None,
+    sliced: bool = False,
 ) -> list[GPTModel]:
     """This rank's model chunks under ``placement`` (a schedule's ``Placement``), in chunk order:
-    the list the runtime and Megatron's ``model`` argument expect."""
+    the list the runtime and Megatron's ``model`` argument expect. ``sliced`` for schedules
+    with sequence slices (a schedule's ``slices > 1``)."""
     layers = split_layers(model.num_layers, placement.num_stages, layers_per_stage)
-    return [build_stage(model, stage, layers, use_te) for stage in placement.stages_of(rank)]
+    return [build_stage(model, stage, layers, use_te, sliced) for stage in placement.stages_of(rank)]
 
 
-def build_reference(model: ModelConfig, use_te: bool | None = None) -> GPTModel:
+def build_reference(model: ModelConfig, use_te: bool | None = None, sliced: bool = False) -> GPTModel:
     """The whole model in one GPTModel, without a pipeline."""
-    return _gpt(model, model.num_layers, True, True, use_te)
+    return _gpt(model, model.num_layers, True, True, use_te, sliced)
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
