@@ -99,6 +99,7 @@ def cost_model(args: argparse.Namespace, schedule: Schedule, costs: Costs) -> Co
         return UniformCosts(
             num_stages=schedule.num_stages,
             num_slices=schedule.slices,
+            chunks_per_rank=schedule.vpp,
             forward=costs.forward,
             backward=costs.backward,
             weight=costs.weight,
@@ -148,6 +149,7 @@ def _row(result: SimResult, in_bytes: bool = False) -> dict[str, Any]:
         "k": data["slices"],
         "makespan": f"{data['makespan']:.4g}",
         "bubble": f"{data['bubble_rate']:.3f}",
+        "bubble in span": f"{data['bubble_rate_in_span']:.3f}",
         "peak M (rank 0)": f"{data['peak_memory_m'][0]:.3f}",
         "peak M (max)": f"{max(data['peak_memory_m']):.3f}",
     }

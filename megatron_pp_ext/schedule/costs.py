@@ -32,8 +32,9 @@ class CostModel(Protocol):
 
 @dataclass
 class UniformCosts:
-    """Every (stage, whole microbatch) op costs ``forward``/``backward``/``weight`` (BW costs
-    backward + weight); a slice op costs its share of that, 1/k for k equal slices.
+    """A whole microbatch through one rank's share of the model (1/p of the layers) costs
+    ``forward``/``backward``/``weight`` (BW costs backward + weight). A stage is 1/v of a rank's
+    share, so its ops cost 1/v of that (makespans compare across v), and a slice op costs 1/k.
 
     Activation: one microbatch over all stages is 1.0 (so peaks read directly in units of M),
     spread evenly over stages and slices. ``weight_fraction`` of an F's activation stays after B
@@ -42,6 +43,7 @@ class UniformCosts:
 
     num_stages: int
     num_slices: int = 1
+    chunks_per_rank: int = 1
     forward: float = 1.0
     backward: float = 1.0
     weight: float = 1.0
@@ -50,7 +52,7 @@ class UniformCosts:
     microbatch_activation: float = 1.0
 
     def _slice_share(self) -> float:
-        return 1.0 / self.num_slices
+        return 1.0 / (self.num_slices * self.chunks_per_rank)
 
     def duration(self, op: Op) -> float:
         base = {

@@ -6,11 +6,14 @@ the message takes the cost model's latency); sends never block. Memory: F adds t
 activation when it starts, B frees all but the weight-gradient share (at its end), W frees that
 share, BW frees everything.
 
-Bubble rate of a rank = idle time / makespan; the overall rate is the mean over ranks.
+Bubble rate of a rank = idle time / makespan; the overall rate is the mean over ranks. The
+"in span" rate counts each rank only between its own first and last op, as the zero-bubble
+papers do.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +54,25 @@ class SimResult:
         return sum(rates) / len(rates)
 
     @property
+    def bubble_rate_in_span_per_rank(self) -> list[float]:
+        """Idle share of each rank between its own first op's start and last op's end: the
+        zero-bubble papers' convention (a rank's staggered start is not counted)."""
+        first = [math.inf] * len(self.busy_per_rank)
+        last = [0.0] * len(self.busy_per_rank)
+        for event in self.events:
+            first[event.rank] = min(first[event.rank], event.start)
+            last[event.rank] = max(last[event.rank], event.end)
+        return [
+            (end - start - busy) / (end - start) if end > start else 0.0
+            for start, end, busy in zip(first, last, self.busy_per_rank)
+        ]
+
+    @property
+    def bubble_rate_in_span(self) -> float:
+        rates = self.bubble_rate_in_span_per_rank
+        return sum(rates) / len(rates)
+
+    @property
     def peak_memory_m(self) -> list[float]:
         """Peak activation per rank in units of M (one whole microbatch over all layers)."""
         return [peak / self.microbatch_activation for peak in self.peak_memory_per_rank]
@@ -66,6 +88,7 @@ class SimResult:
             "makespan": self.makespan,
             "bubble_rate": self.bubble_rate,
             "bubble_rate_per_rank": self.bubble_rate_per_rank,
+            "bubble_rate_in_span": self.bubble_rate_in_span,
             "peak_memory_m": self.peak_memory_m,
             "peak_memory_bytes": self.peak_memory_per_rank,
         }
@@ -74,7 +97,9 @@ class SimResult:
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     """Replay ``schedule`` (lowered first if needed) under ``costs`` (unit costs by default)."""
     if costs is None:
-        costs = UniformCosts(num_stages=schedule.num_stages, num_slices=schedule.slices)
+        costs = UniformCosts(
+            num_stages=schedule.num_stages, num_slices=schedule.slices, chunks_per_rank=schedule.vpp
+        )
     lowered = lower(schedule)
     arrival: dict[tuple[OpKind, tuple[int, int, int]], float] = {}  # matching-RECV key -> time
     clock = [0.0] * lowered.pp
