@@ -20,7 +20,7 @@ from typing import Any
 
 from .costs import CostModel, UniformCosts
 from .ir import Op, OpKind, Schedule, format_op
-from .lowering import lower, matching_op
+from .lowering import lower
 from .validate import ScheduleError
 
 
@@ -94,6 +94,15 @@ class SimResult:
         }
 
 
+def message_key(op: Op) -> tuple[str, int, int, int]:
+    """The same key for a SEND and its matching RECV: (direction, receiving stage, mb, slice)."""
+    if op.kind == OpKind.SEND_F:
+        return ("F", op.stage + 1, op.microbatch, op.slice)
+    if op.kind == OpKind.SEND_B:
+        return ("B", op.stage - 1, op.microbatch, op.slice)
+    return ("F" if op.kind == OpKind.RECV_F else "B", op.stage, op.microbatch, op.slice)
+
+
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     """Replay ``schedule`` (lowered first if needed) under ``costs`` (unit costs by default)."""
     if costs is None:
@@ -101,7 +110,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
             num_stages=schedule.num_stages, num_slices=schedule.slices, chunks_per_rank=schedule.vpp
         )
     lowered = lower(schedule)
-    arrival: dict[tuple[OpKind, tuple[int, int, int]], float] = {}  # matching-RECV key -> time
+    arrival: dict[tuple[str, int, int, int], float] = {}  # message_key -> arrival time
     clock = [0.0] * lowered.pp
     busy = [0.0] * lowered.pp
     memory = [0.0] * lowered.pp
@@ -116,14 +125,13 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         """Run ``op`` on ``rank`` if it can run now; return whether it ran."""
         now = clock[rank]
         if op.kind in (OpKind.RECV_F, OpKind.RECV_B):
-            key = (op.kind, op.unit)
+            key = message_key(op)
             if key not in arrival:
                 return False
             clock[rank] = max(now, arrival[key])
             return True
         if op.kind in (OpKind.SEND_F, OpKind.SEND_B):
-            match = matching_op(op)
-            arrival[(match.kind, match.unit)] = last_compute_end[rank] + costs.comm_latency(op)
+            arrival[message_key(op)] = last_compute_end[rank] + costs.comm_latency(op)
             return True
         duration = costs.duration(op)
         start, end = now, now + duration
@@ -149,7 +157,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         curves[rank].append((time, memory[rank]))
 
     # A rank runs until a RECV waits for a message not yet sent; the SEND wakes it.
-    waiting: dict[tuple[OpKind, tuple[int, int, int]], list[int]] = defaultdict(list)
+    waiting: dict[tuple[str, int, int, int], list[int]] = defaultdict(list)
     ready = deque(range(lowered.pp))
     while ready:
         rank = ready.popleft()
@@ -157,11 +165,10 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         while pointers[rank] < len(ops):
             op = ops[pointers[rank]]
             if not step(rank, op):
-                waiting[(op.kind, op.unit)].append(rank)
+                waiting[message_key(op)].append(rank)
                 break
             if op.kind in (OpKind.SEND_F, OpKind.SEND_B):
-                match = matching_op(op)
-                ready.extend(waiting.pop((match.kind, match.unit), ()))
+                ready.extend(waiting.pop(message_key(op), ()))
             pointers[rank] += 1
     stuck = [r for r in range(lowered.pp) if pointers[r] < len(lowered.ranks[r])]
     if stuck:
