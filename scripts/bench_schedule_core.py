@@ -38,7 +38,8 @@ def main() -> None:
         simulate(schedule)
         t3 = time.perf_counter()
         ops = sum(len(ops) for ops in schedule.ranks)
-        print(f"{name + f' (v={vpp})':24} {ops:7d} {t1 - t0:8.3f}s {t2 - t1:8.3f}s {t3 - t2:8.3f}s {t3 - t0:7.3f}s")
+        label = f"{name} (v={vpp})"
+        print(f"{label:24} {ops:7d} {t1 - t0:8.3f}s {t2 - t1:8.3f}s {t3 - t2:8.3f}s {t3 - t0:7.3f}s")
 
 
 if __name__ == "__main__":

@@ -29,21 +29,26 @@ TARGETS: dict[str, tuple[str, str]] = {
 
 def rows(pp: int, microbatches: int) -> list[str]:
     one_f_one_b = (pp - 1) / (microbatches + pp - 1)
+    baseline = simulate(generate("1f1b", pp, microbatches))
+    baseline_idle = baseline.makespan - baseline.busy_per_rank[0]
     out = [
         f"\n### p={pp}, m={microbatches} (B = {one_f_one_b:.3f})\n",
-        "| schedule | v | bubble | bubble / B | reference bubble | peak rank 0 (M) | max peak (M) | reference peak |",
-        "|---|---|---|---|---|---|---|---|",
+        "| schedule | v | bubble | bubble / B | idle / 1F1B idle | bubble in span | reference bubble "
+        "| peak rank 0 (M) | max peak (M) | reference peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, spec in SCHEDULES.items():
+    for name in SCHEDULES:
         try:
             result = simulate(generate(name, pp, microbatches))
         except RequestError as error:
-            out.append(f"| {name} | - | n/a: {error} | | | | | |")
+            out.append(f"| {name} | - | n/a: {error} | | | | | | | |")
             continue
         bubble_target, peak_target = TARGETS.get(name, ("-", "-"))
         out.append(
             f"| {name} | {result.schedule.vpp} | {result.bubble_rate:.3f} | "
-            f"{result.bubble_rate / one_f_one_b:.2f} | {bubble_target} | {result.peak_memory_m[0]:.3f} | "
+            f"{result.bubble_rate / one_f_one_b:.2f} | "
+            f"{(result.makespan - result.busy_per_rank[0]) / baseline_idle:.2f} | "
+            f"{result.bubble_rate_in_span:.3f} | {bubble_target} | {result.peak_memory_m[0]:.3f} | "
             f"{max(result.peak_memory_m):.3f} | {peak_target} |"
         )
     return out
