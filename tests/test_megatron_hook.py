@@ -143,7 +143,7 @@ def megatron_step_worker(rank: int, world: int, schedule_name: str, microbatches
     }
 
 
-@pytest.mark.parametrize("schedule_name", ["1f1b"])
+@pytest.mark.parametrize("schedule_name", ["1f1b", "zb-h1", "v-half"])
 def test_megatron_training_step_runs_our_schedule(schedule_name: str) -> None:
     world, microbatches = 2, 3
     results = check_ok(run_ranks(megatron_step_worker, world, schedule_name, microbatches, timeout=180))
