@@ -11,11 +11,14 @@ a deadline, see ``p2p.py``), SEND ops are asynchronous and release the stage out
 once sent (Megatron's ``deallocate_output_tensor``). Two consecutive stages on the same rank (the
 tip of a V) hand over in memory. Weight gradients land in ``param.grad`` (or ``main_grad``);
 zeroing them, finalising them (``finalize_model_grads``) and the optimizer step are the caller's.
+Schedules with sequence slices cut each microbatch as ``slicing.py`` says: the chunks need sliced
+attention (``build_chunks(..., sliced=True)``), messages have the slice's shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +32,7 @@ from ..schedule.lowering import lower
 from ..schedule.validate import validate
 from .memory import ActivationMeter, Hold
 from .p2p import PeerError, PipeComm
+from .slicing import SliceFn, StepSlicing, plan_slices, shape_from_config
 from .stage import ForwardStepFunc, LossRecord, StageRunner, deallocate
 from .weight_grad import WeightGradStore
 
@@ -89,6 +93,7 @@ class PipelineRuntime:
         self.dtype = dtype
         self.config = config if config is not None else get_model_config(self.chunks[0])
         self.deallocate_outputs = deallocate_outputs
+        self.tensor_shape = tensor_shape
         self.device = next(self.chunks[0].parameters()).device
         self.stores = [WeightGradStore() for _ in self.chunks]
         _check_parallel_state(comm.size)
@@ -106,10 +111,17 @@ class PipelineRuntime:
         forward_only: bool = False,
         collect_non_loss_data: bool = False,
         tensor_shape: Sequence[int] | ShapeFn | None = None,
+        slice_lengths: Sequence[int] | None = None,
+        slice_batch: SliceFn | None = None,
     ) -> StepResult:
         """Run ``schedule`` (lowered here if it is not) for this rank: one training step (or a
         forward-only pass) over ``schedule.microbatches`` microbatches. ``tensor_shape``
-        overrides the activation shape given at construction, for this step."""
+        overrides the activation shape given at construction, for this step.
+
+        With ``schedule.slices > 1``: ``slice_lengths`` (default: the schedule's partition of the
+        sequence length of ``tensor_shape``) and ``slice_batch(batch, start, end, seq_length)``,
+        which cuts a whole microbatch from the iterators to one slice (default:
+        ``slicing.slice_batch``)."""
         if schedule.pp != self.comm.size:
             raise ValueError(
                 f"schedule {schedule.name} has pp={schedule.pp}, the pipeline has {self.comm.size} ranks"
@@ -140,10 +152,18 @@ class PipelineRuntime:
                 self.config,
                 self.meter,
                 self.stores[lowered.placement.chunk_index(stage)],
+                num_slices=lowered.slices,
             )
             for stage in stages
         }
         shape_of = self.shape_of if tensor_shape is None else _shape_fn(tensor_shape)
+        slicing = None
+        if lowered.slices > 1:
+            full = self.tensor_shape if tensor_shape is None else tensor_shape
+            slicing = self._slicing(lowered, full, slice_lengths, slice_batch, iterators)
+            iterators = slicing.feeders
+            if not callable(full):
+                shape_of = slicing.shape_fn(full)
         run = _StepRun(
             self,
             lowered,
@@ -153,12 +173,15 @@ class PipelineRuntime:
             forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data,
             shape_of=shape_of,
+            slicing=slicing,
         )
         try:
             run.execute()
         except BaseException:
             for runner in runners.values():
                 runner.discard()
+            if slicing is not None:
+                slicing.release()
             self.comm.abandon()
             raise
         is_loss_rank = lowered.loss_rank == self.rank
@@ -174,6 +197,25 @@ class PipelineRuntime:
             op_count=run.op_count,
         )
         return self.last_result
+
+    def _slicing(
+        self,
+        schedule: Schedule,
+        full_shape: Sequence[int] | ShapeFn,
+        lengths: Sequence[int] | None,
+        cut: SliceFn | None,
+        iterators: list[Iterator[Any] | None],
+    ) -> StepSlicing:
+        if lengths is None:
+            if callable(full_shape):
+                raise ValueError(
+                    "a sliced schedule with a per-op tensor_shape needs slice_lengths: the runtime "
+                    "cannot read the sequence length from a function"
+                )
+            lengths = plan_slices(schedule, int(full_shape[0]), shape_from_config(self.config))
+        if len(lengths) != schedule.slices:
+            raise ValueError(f"{len(lengths)} slice lengths for a schedule with {schedule.slices} slices")
+        return StepSlicing(lengths, self.chunks, iterators, cut)
 
     def _iterators(self, data_iterators: Any) -> list[Iterator[Any] | None]:
         if isinstance(data_iterators, (list, tuple)):
@@ -236,8 +278,10 @@ class _StepRun:
         forward_only: bool,
         collect_non_loss_data: bool,
         shape_of: ShapeFn,
+        slicing: StepSlicing | None = None,
     ) -> None:
         self.rt = runtime
+        self.slicing = slicing
         self.shape_of = shape_of
         self.collect_non_loss_data = collect_non_loss_data
         self.schedule = schedule
@@ -316,16 +360,17 @@ class _StepRun:
         runner = self.runners[op.stage]
         input_tensor = None if runner.is_first else self._take("F", op.stage, op)
         chunk_index = self.schedule.placement.chunk_index(op.stage)
-        output = runner.forward(
-            (op.microbatch, op.slice),
-            input_tensor,
-            self.forward_step_func,
-            self.iterators[chunk_index],
-            self.schedule.microbatches,
-            self.losses,
-            self.forward_only,
-            self.collect_non_loss_data,
-        )
+        with self.slicing.running(chunk_index, op) if self.slicing else nullcontext():
+            output = runner.forward(
+                (op.microbatch, op.slice),
+                input_tensor,
+                self.forward_step_func,
+                self.iterators[chunk_index],
+                self.schedule.microbatches,
+                self.losses,
+                self.forward_only,
+                self.collect_non_loss_data,
+            )
         if output is None:
             return
         handoff = output.detach()

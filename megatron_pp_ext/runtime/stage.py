@@ -5,6 +5,8 @@ A forward calls ``chunk.set_input_tensor(input)`` and then the user's
 ``loss_func(output)`` returns ``(loss, num_tokens, reduced)`` or ``(loss, reduced)`` and the loss
 is normalised like Megatron's ``forward_step`` (by tokens unless ``calculate_per_token_loss``,
 and by the number of microbatches). The runner keeps what each unit needs until its backward.
+With sequence slices the loss of each slice is normalised at its backward over the whole
+microbatch's tokens (see ``slicing.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
 from .memory import ActivationMeter, Hold
+from .slicing import SliceLosses, combine_reports, sliced_loss
 from .weight_grad import WeightGradStore, attach_store
 
 Key = tuple[int, int]  # (microbatch, slice)
@@ -57,6 +60,7 @@ class LossRecord:
 
     outputs: dict[int, Any] = field(default_factory=dict)  # microbatch -> loss_reduced
     num_tokens: int | Tensor = 0
+    slices: dict[int, SliceLosses] = field(default_factory=dict)  # microbatch -> its slices so far
 
 
 @dataclass
@@ -64,6 +68,7 @@ class _Unit:
     input: Tensor | None
     output: Tensor
     holds: list[Hold]
+    normalise: Callable[[Tensor], Tensor] | None = None  # a slice's loss, scaled at backward
 
 
 class StageRunner:
@@ -77,8 +82,10 @@ class StageRunner:
         config: Any,
         meter: ActivationMeter,
         store: WeightGradStore,
+        num_slices: int = 1,
     ) -> None:
         self.chunk = chunk
+        self.num_slices = num_slices
         self.stage = stage
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
@@ -115,10 +122,15 @@ class StageRunner:
         else:
             with self.meter.saving():
                 output, loss_func = forward_step_func(data_iterator, self.chunk)
-        if self.is_last:
+        normalise = None
+        if self.is_last and self.num_slices > 1:
+            output, normalise = self._slice_loss(
+                key, output, loss_func, num_microbatches, losses, collect_non_loss_data
+            )
+        elif self.is_last:
             output = self._loss(key[0], output, loss_func, num_microbatches, losses, collect_non_loss_data)
         if not forward_only:
-            self._units[key] = _Unit(input_tensor, output, [self.meter.hold(input_tensor)])
+            self._units[key] = _Unit(input_tensor, output, [self.meter.hold(input_tensor)], normalise)
         return None if self.is_last else output
 
     def _loss(
@@ -150,11 +162,42 @@ class StageRunner:
         losses.outputs[microbatch] = reduced
         return loss
 
+    def _slice_loss(
+        self,
+        key: Key,
+        output: Any,
+        loss_func: Callable[..., Any] | None,
+        num_microbatches: int,
+        losses: LossRecord,
+        collect_non_loss_data: bool,
+    ) -> tuple[Any, Callable[[Tensor], Tensor] | None]:
+        """The loss of one slice: its raw sum now, normalised over the whole microbatch at
+        backward; one report per microbatch (the slices' reports summed) after its last slice.
+        Without a loss function the outputs (or non-loss data) of the slices are listed."""
+        microbatch, index = key
+        last = index == self.num_slices - 1
+        if loss_func is None or collect_non_loss_data:
+            value = output if loss_func is None else loss_func(output, non_loss_data=True)
+            losses.outputs.setdefault(microbatch, []).append(value)
+            return output, None
+        loss, num_tokens, report = sliced_loss(loss_func(output))
+        parts = losses.slices.setdefault(microbatch, SliceLosses())
+        parts.add(num_tokens, report)
+        losses.num_tokens = losses.num_tokens + num_tokens
+        if last:
+            losses.outputs[microbatch] = combine_reports(parts.reports)
+            del losses.slices[microbatch]
+        if getattr(self.config, "calculate_per_token_loss", False):
+            return loss, None
+        return loss, parts.normaliser(num_microbatches)
+
     # ---- B, W, BW ----------------------------------------------------------------------------
 
     def _output_and_grad(self, unit: _Unit, output_grad: Tensor | None) -> tuple[Tensor, Tensor | None]:
         output = unit.output
         if self.is_last:
+            if unit.normalise is not None:
+                output = unit.normalise(output)
             scale = getattr(self.config, "grad_scale_func", None)
             if scale is not None:
                 output = scale(output)
