@@ -151,7 +151,10 @@ def check(settings: TrainSettings) -> None:
             f"virtual stages; use a --num-layers of at least {schedule.num_stages})",
         ) from None
     if schedule.slices > 1:
-        raise UsageError("--pp-seq-slices", "sequence-sliced training arrives with the long-context runtime")
+        try:
+            settings.pipeline.slice_lengths(schedule, model.seq_length, model.shape(), TRAIN_FLAGS)
+        except OptionError as error:
+            raise UsageError(error.flag, error.reason) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,7 +201,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
     layers = split_layers(model.num_layers, schedule.num_stages)
     offsets = layer_offsets(layers)
     stages = schedule.placement.stages_of(rank)
-    chunks = build_chunks(model, schedule.placement, rank)
+    chunks = build_chunks(model, schedule.placement, rank, sliced=schedule.slices > 1)
     for stage, chunk in zip(stages, chunks):
         copy_from_reference(reference, chunk, offsets[stage])
     del reference
@@ -239,12 +242,11 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
         elapsed = time.perf_counter() - start
         result = hook.last_result
         step_times.append(elapsed)
-        compute = getattr(result, "compute_seconds", None)
-        if compute is not None:
-            bubbles.append(max(0.0, 1.0 - compute / elapsed))
+        bubbles.append(min(1.0, hook.last_wait_seconds / elapsed))
         peak_activation = max(peak_activation, result.peak_activation_bytes)
         if is_loss_rank:
-            loss = sum(float(item["lm loss"]) for item in losses) / len(losses)
+            total, tokens = (sum(item["lm loss"][i] for item in losses) for i in (0, 1))
+            loss = float(total / tokens)
             progress.set_postfix(loss=f"{loss:.3f}", step=f"{elapsed:.2f}s", gnorm=f"{grad_norm:.2f}")
             progress.update(1)
             if metrics_file:
@@ -274,12 +276,17 @@ def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
-def loss_func(loss_mask: Any, output: Any) -> tuple[Any, dict[str, Any]]:
-    """Mean next-token cross-entropy over the microbatch's unmasked tokens."""
+def loss_func(loss_mask: Any, output: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """Next-token cross-entropy summed over the unmasked tokens, their count, and a report of
+    both, as Megatron-LM's pretrain_gpt: the schedule divides by the count, over the whole
+    microbatch even when a sliced schedule runs it slice by slice."""
+    import torch
+
     losses = output.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
-    loss = (losses * mask).sum() / mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}
+    loss = (losses * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach().clone(), num_tokens.to(loss.dtype)])}
 
 
 def build_optimizer(chunks: list[Any], settings: TrainSettings) -> tuple[Any, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from typing import Any
 
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule
+from ..schedule.models import ModelShape, megatron_shape
+from ..schedule.partition import PartitionError, slice_lengths
 
 
 class OptionError(ValueError):
@@ -91,6 +94,19 @@ class PipelineOptions:
             schedule.meta["partition"] = self.slice_partition
         return schedule
 
+    def slice_lengths(
+        self, schedule: Schedule, seq_length: int, shape: ModelShape, flags: dict[str, str] = MEGATRON_FLAGS
+    ) -> tuple[int, ...]:
+        """How the runtime will cut ``seq_length`` for ``schedule`` (its partition, 8-token
+        units); a sequence that cannot be cut raises :class:`OptionError` naming the flag and the
+        nearest valid values, before any process starts."""
+        partition = schedule.meta.get("partition", "uniform")
+        try:
+            return tuple(slice_lengths(partition, shape, seq_length, schedule.slices))
+        except PartitionError as error:
+            message = re.sub(r"(?<![\w-])--slices\b", flags.get("--slices", "--slices"), str(error))
+            raise OptionError(message, flags.get(error.flag, error.flag)) from None
+
 
 def parse_costs(text: str) -> Costs:
     values = [float(part) for part in str(text).split(",")]
@@ -149,7 +165,8 @@ class Installed:
         self._runtimes: dict[tuple[int, ...], Any] = {}
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self._patched: list[tuple[Any, str, Any]] = []
-        self.last_result: Any = None
+        self.last_result: Any = None  # the runtime's StepResult of the last call
+        self.last_wait_seconds = 0.0  # time the last call spent blocked on peers
 
     # -- what Megatron calls ------------------------------------------------------------------
 
@@ -162,8 +179,10 @@ class Installed:
         models = kwargs["model"] if isinstance(kwargs["model"], (list, tuple)) else [kwargs["model"]]
         runtime = self._runtime(models)
         schedule = self.schedule(runtime.comm.size, kwargs["num_microbatches"])
+        waited = runtime.comm.wait_seconds
         losses = forward_backward(runtime, schedule, **kwargs)
         self.last_result = runtime.last_result
+        self.last_wait_seconds = runtime.comm.wait_seconds - waited
         return losses
 
     # -- pieces -------------------------------------------------------------------------------
@@ -223,7 +242,9 @@ def install(args: Any = None, options: PipelineOptions | None = None, **override
     Installing again replaces the previous hook. If ``args`` carries the pipeline size and
     microbatch count (Megatron's ``pipeline_model_parallel_size``, ``global_batch_size``,
     ``micro_batch_size``, ``data_parallel_size``), the schedule is generated now, so a bad flag
-    fails before training."""
+    fails before training; with ``--pp-seq-slices`` and ``seq_length`` the cut of the sequence
+    is checked too. Sliced schedules need model chunks built with the sliced layer spec
+    (``layer_spec(sliced=True)`` and ``megatron_pp_ext.megatron.sliced.enable_slicing``)."""
     global _active
     if options is None:
         options = PipelineOptions.from_args(args) if args is not None else PipelineOptions()
@@ -235,7 +256,9 @@ def install(args: Any = None, options: PipelineOptions | None = None, **override
     pp = getattr(args, "pipeline_model_parallel_size", None)
     microbatches = _num_microbatches(args)
     if pp and microbatches is not None:
-        options.schedule_for(pp, microbatches)  # fail early, with the flag named
+        schedule = options.schedule_for(pp, microbatches)  # fail early, with the flag named
+        if schedule.slices > 1 and getattr(args, "seq_length", None):
+            options.slice_lengths(schedule, args.seq_length, megatron_shape(args))
     if _active is not None:
         _active.uninstall()
     hook = Installed(options)

@@ -97,6 +97,9 @@ class PipeComm:
         }
         self._pending: list[_PendingSend] = []
         self._gloo = self.backend == "gloo"
+        # Seconds this rank spent blocked on peers (receives and the final flush of sends): its
+        # measured bubble, once divided by the step time.
+        self.wait_seconds = 0.0
         self._waiters: dict[tuple[str, int], _SendWaiter] = {}
 
     def _group(self, direction: str, sender: int, receiver: int) -> dist.ProcessGroup:
@@ -140,6 +143,13 @@ class PipeComm:
 
     def flush(self) -> None:
         """Wait until every send has gone out (each within the timeout)."""
+        start = time.monotonic()
+        try:
+            self._flush()
+        finally:
+            self.wait_seconds += time.monotonic() - start
+
+    def _flush(self) -> None:
         pending, self._pending = self._pending, []
         for item in pending:
             if self._gloo:
@@ -188,7 +198,11 @@ class PipeComm:
             work = dist.irecv(buffer, src=self.ranks[peer], group=group)
         except RuntimeError as error:
             raise PeerError(f"rank {self.rank}: {what} from rank {peer} failed: {error}") from error
-        self._wait(work, f"{what} from", peer)
+        start = time.monotonic()
+        try:
+            self._wait(work, f"{what} from", peer)
+        finally:
+            self.wait_seconds += time.monotonic() - start
         return buffer
 
     def _wait(self, work: dist.Work, what: str, peer: int) -> None:
