@@ -29,10 +29,11 @@ from torch import Tensor
 
 from ..schedule.ir import Op, OpKind, Schedule
 from ..schedule.lowering import lower
+from ..schedule.models import megatron_shape
 from ..schedule.validate import validate
 from .memory import ActivationMeter, Hold
 from .p2p import PeerError, PipeComm
-from .slicing import SliceFn, StepSlicing, plan_slices, shape_from_config
+from .slicing import SliceFn, StepSlicing, plan_slices
 from .stage import ForwardStepFunc, LossRecord, StageRunner, deallocate
 from .weight_grad import WeightGradStore
 
@@ -212,7 +213,7 @@ class PipelineRuntime:
                     "a sliced schedule with a per-op tensor_shape needs slice_lengths: the runtime "
                     "cannot read the sequence length from a function"
                 )
-            lengths = plan_slices(schedule, int(full_shape[0]), shape_from_config(self.config))
+            lengths = plan_slices(schedule, int(full_shape[0]), megatron_shape(self.config))
         if len(lengths) != schedule.slices:
             raise ValueError(f"{len(lengths)} slice lengths for a schedule with {schedule.slices} slices")
         return StepSlicing(lengths, self.chunks, iterators, cut)

@@ -32,23 +32,6 @@ from ..schedule.partition import DEFAULT_UNIT, slice_lengths
 SliceFn = Callable[[Any, int, int, int], Any]  # (batch, start, end, seq_length) -> slice
 
 
-def shape_from_config(config: Any, vocab_size: int = 1) -> ModelShape:
-    """The ModelShape of a TransformerConfig (or Megatron args) for the FLOP-balanced partition:
-    only the per-layer sizes matter there, not the layer count or the vocabulary."""
-    heads = config.num_attention_heads
-    return ModelShape(
-        name="megatron",
-        layers=max(1, int(getattr(config, "num_layers", 1) or 1)),
-        hidden=config.hidden_size,
-        heads=heads,
-        kv_heads=getattr(config, "num_query_groups", None) or heads,
-        head_dim=getattr(config, "kv_channels", None) or config.hidden_size // heads,
-        ffn=getattr(config, "ffn_hidden_size", None) or 4 * config.hidden_size,
-        vocab=max(1, vocab_size),
-        gated=bool(getattr(config, "gated_linear_unit", True)),
-    )
-
-
 def plan_slices(
     schedule: Schedule,
     seq_length: int,

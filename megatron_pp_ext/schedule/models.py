@@ -8,6 +8,7 @@ attention FLOPs per query-key pair. They live here, next to the shape, so both m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,27 @@ class ModelShape:
         """All weights: layers (with their two norms), input embedding, final norm, output layer."""
         norms = 2 * self.hidden * self.layers + self.hidden
         return self.layers * self.layer_params() + norms + 2 * self.vocab * self.hidden
+
+
+def megatron_shape(config: Any, vocab_size: int = 1) -> ModelShape:
+    """The shape of a megatron-core TransformerConfig or Megatron-LM's parsed args (same
+    attribute names), for the FLOP-balanced slice partition: only the per-layer sizes matter
+    there, so the vocabulary may be left out."""
+    heads = config.num_attention_heads
+    groups = getattr(config, "num_query_groups", None)
+    if getattr(config, "group_query_attention", True) is False:
+        groups = None  # Megatron-LM args keep a num_query_groups default that GQA off ignores
+    return ModelShape(
+        name="megatron",
+        layers=max(1, int(getattr(config, "num_layers", None) or 1)),
+        hidden=config.hidden_size,
+        heads=heads,
+        kv_heads=groups or heads,
+        head_dim=getattr(config, "kv_channels", None) or config.hidden_size // heads,
+        ffn=getattr(config, "ffn_hidden_size", None) or 4 * config.hidden_size,
+        vocab=max(1, vocab_size),
+        gated=bool(getattr(config, "gated_linear_unit", False) or getattr(config, "swiglu", False)),
+    )
 
 
 PRESETS: dict[str, ModelShape] = {
