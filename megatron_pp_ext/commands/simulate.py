@@ -1,18 +1,29 @@
 """``megatron-pp-ext simulate``: build a schedule, check it, replay it, print a table.
 
-Pure Python (no torch): usable on a laptop to study a schedule before a GPU is booked.
+Pure Python (no torch): usable on a laptop to study a schedule before a GPU is booked. With
+``--pp-offload`` the schedule gets activation copies to host memory (PipeOffload) and the table
+shows each peak with and without them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
 from ..schedule.costs import CostModel, UniformCosts
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule, load
+from ..schedule.offload import (
+    POLICIES,
+    OffloadError,
+    OffloadPolicy,
+    apply_offload,
+    parse_chunks,
+    ratio_from_costs,
+)
 from ..schedule.simulate import SimResult, simulate
 from ..schedule.validate import ScheduleError, validate
 from .errors import UsageError
@@ -53,11 +64,41 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=None, help="model shape for the FLOP cost model, e.g. llama-7b")
     parser.add_argument("--seq-length", type=int, default=4096, help="sequence length for --model")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch")
+    add_offload_args(parser)
     parser.add_argument("--plot", help="write a timeline picture (.png or .svg)")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace (.json)")
     parser.add_argument("--save", help="write the generated schedule (.json or text)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(run=run)
+
+
+def add_offload_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("activation offload (PipeOffload)")
+    group.add_argument(
+        "--pp-offload",
+        choices=POLICIES,
+        default="none",
+        help="copy activations to host memory: every unit (full), the longest-lived chunk or "
+        "--pp-offload-chunks (selective), or the share k allows (auto)",
+    )
+    group.add_argument("--pp-offload-chunks", default=None, help="chunk indices to offload, e.g. 0 or 0,1")
+    group.add_argument(
+        "--pp-host-bandwidth",
+        type=float,
+        default=None,
+        help="host link bandwidth per direction: bytes/s with --model (default 50e9), else M per "
+        "time unit (default: copies take no time)",
+    )
+    group.add_argument(
+        "--pp-compute-throughput",
+        type=float,
+        default=None,
+        help="delivered FLOP/s of one device with --model (default 400e12 x 0.5)",
+    )
+    group.add_argument("--pp-ranks-per-host", type=int, default=1, help="ranks that share one host link")
+    group.add_argument(
+        "--pp-offload-lookahead", type=int, default=1, help="compute ops between a RELOAD and its backward"
+    )
 
 
 def parse_costs(text: str) -> Costs:
@@ -105,19 +146,61 @@ def cost_model(args: argparse.Namespace, schedule: Schedule, costs: Costs) -> Co
             weight=costs.weight,
             comm=args.comm,
             weight_fraction=args.weight_fraction,
+            host_bandwidth=args.pp_host_bandwidth or math.inf,
+            ranks_per_host=args.pp_ranks_per_host,
         )
     from ..schedule.flops import flop_costs_for
 
+    options: dict[str, float] = {"ranks_per_host": args.pp_ranks_per_host}
+    if args.pp_host_bandwidth:
+        options["host_bandwidth"] = args.pp_host_bandwidth
+    if args.pp_compute_throughput:
+        options.update(peak_flops=args.pp_compute_throughput, utilisation=1.0)
     return flop_costs_for(
         args.model,
         schedule,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         partition=schedule.meta.get("partition", "uniform"),
+        **options,
     )
 
 
+def check_offload_args(args: argparse.Namespace) -> None:
+    for flag, value in (
+        ("--pp-host-bandwidth", args.pp_host_bandwidth),
+        ("--pp-compute-throughput", args.pp_compute_throughput),
+    ):
+        if value is not None and not value > 0:
+            raise UsageError(flag, f"must be positive, got {value}")
+    if args.pp_ranks_per_host < 1:
+        raise UsageError(
+            "--pp-ranks-per-host", f"needs at least 1 rank per host, got {args.pp_ranks_per_host}"
+        )
+
+
+def offloaded(args: argparse.Namespace, schedule: Schedule, model: CostModel) -> Schedule:
+    """``schedule`` with the copies ``--pp-offload`` asks for; auto takes k from the model shape
+    (PipeOffload's formula) or, for unit costs, from the cost model's copy and compute times."""
+    try:
+        policy = OffloadPolicy(
+            args.pp_offload, parse_chunks(args.pp_offload_chunks), lookahead=args.pp_offload_lookahead
+        )
+        if policy.mode == "auto":
+            ratio = (
+                model.offload_ratio()
+                if hasattr(model, "offload_ratio")
+                else ratio_from_costs(schedule, model)
+            )
+            policy = OffloadPolicy("auto", ratio=ratio, lookahead=policy.lookahead)
+        return apply_offload(schedule, policy)
+    except OffloadError as error:
+        raise UsageError(error.flag, str(error)) from None
+
+
 def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
+    """The simulated schedule (with its copies when ``--pp-offload`` asks for them); the run
+    without copies goes into ``result.baseline``."""
     if args.slices > args.seq_length:
         raise UsageError(
             "--slices",
@@ -138,7 +221,12 @@ def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
         raise UsageError(error.flag, str(error), flag_in_message=True) from None
     except KeyError as error:
         raise UsageError("--model", str(error.args[0]), flag_in_message=True) from None
-    return simulate(schedule, model)
+    if args.pp_offload == "none":
+        return simulate(schedule, model)
+    check_offload_args(args)
+    result = simulate(offloaded(args, schedule, model), model)
+    result.baseline = simulate(schedule, model)
+    return result
 
 
 def _row(result: SimResult, in_bytes: bool = False) -> dict[str, Any]:
@@ -155,6 +243,10 @@ def _row(result: SimResult, in_bytes: bool = False) -> dict[str, Any]:
     }
     if in_bytes:
         row["peak GiB (max)"] = f"{max(data['peak_memory_bytes']) / 2**30:.2f}"
+    if result.baseline is not None:
+        row["no offload: peak M (max)"] = f"{max(result.baseline.peak_memory_m):.3f}"
+        row["no offload: bubble"] = f"{result.baseline.bubble_rate:.3f}"
+        row["offloaded"] = result.schedule.meta.get("offloaded_units", 0)
     return row
 
 
@@ -182,7 +274,22 @@ def run(args: argparse.Namespace) -> int:
         for r, (b, m) in enumerate(zip(result.bubble_rate_per_rank, result.peak_memory_m))
     )
     print(per_rank)
+    if result.baseline is not None:
+        print(offload_summary(result))
     return 0
+
+
+def offload_summary(result: SimResult) -> str:
+    """One line per rank: peak without and with the copies, and what the copies carry."""
+    meta = result.schedule.meta
+    k = f" k={meta['offload_k']:.3g}" if "offload_k" in meta else ""
+    lines = [f"offload {meta.get('offload')}{k}: {meta.get('offloaded_units', 0)} units copied to host"]
+    for rank, (before, after) in enumerate(zip(result.baseline.peak_memory_m, result.peak_memory_m)):
+        lines.append(
+            f"  r{rank}: peak {before:.3f}M -> {after:.3f}M, "
+            f"{result.offloaded_bytes_per_rank[rank] / result.microbatch_activation:.3f}M to host per step"
+        )
+    return "\n".join(lines)
 
 
 def run_all(args: argparse.Namespace) -> int:

@@ -6,12 +6,18 @@ its duration per kind, the activation an F allocates, the share of it that survi
 Memory is in bytes; ``microbatch_activation`` (M: one whole unsliced microbatch over all
 transformer layers) converts it to units of M.
 
+For activation offload (PipeOffload) it also asks how many bytes an OFFLOAD of the unit copies
+(what is left stays on the device: tiny tensors, parameters) and how long that copy takes over
+the host link (``host_bandwidth``; ``ranks_per_host`` ranks share one link).
+:func:`offload_ratio` is PipeOffload's k, the copy time over the compute time of a layer.
+
 Three models: :class:`UniformCosts` (the papers' unit analysis), :class:`TableCosts` (measured
 times per stage and kind) and the transformer FLOP model in ``flops.py``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,6 +35,32 @@ class CostModel(Protocol):
 
     def comm_latency(self, op: Op) -> float: ...
 
+    ranks_per_host: int
+
+    def offload_bytes(self, op: Op) -> float: ...
+
+    def copy_time(self, op: Op) -> float: ...
+
+
+def offload_ratio(hidden: int, seq_length: int, compute_throughput: float, host_bandwidth: float) -> float:
+    """PipeOffload's k = T_offload / T_compute of one layer = 10 / (3(6h + s)) * (B_c / B_o).
+
+    ``compute_throughput`` B_c is the delivered FLOP/s of one device, ``host_bandwidth`` B_o the
+    bytes/s of its host link in one direction. k < 1: every activation can be copied out and back
+    behind compute; otherwise about 1/k of them. k falls as h and s grow."""
+    if min(hidden, seq_length) < 1 or compute_throughput <= 0 or host_bandwidth <= 0:
+        raise ValueError("hidden, seq_length, compute throughput and host bandwidth must be positive")
+    return 10.0 / (3.0 * (6 * hidden + seq_length)) * (compute_throughput / host_bandwidth)
+
+
+def offload_fraction(k: float) -> float:
+    """Share of the activations that can be offloaded with the copies hidden: all when k <= 1."""
+    return 1.0 if k <= 1.0 else 1.0 / k
+
+
+def _copy_seconds(size: float, bandwidth: float) -> float:
+    return 0.0 if math.isinf(bandwidth) else size / bandwidth
+
 
 @dataclass
 class UniformCosts:
@@ -38,7 +70,8 @@ class UniformCosts:
 
     Activation: one microbatch over all stages is 1.0 (so peaks read directly in units of M),
     spread evenly over stages and slices. ``weight_fraction`` of an F's activation stays after B
-    until W (0 would free everything at B).
+    until W (0 would free everything at B). ``host_bandwidth`` is in M per time unit (infinite:
+    copies take no time); ``offload_fraction`` of an activation is copied by an OFFLOAD.
     """
 
     num_stages: int
@@ -50,6 +83,9 @@ class UniformCosts:
     comm: float = 0.0
     weight_fraction: float = 0.5
     microbatch_activation: float = 1.0
+    host_bandwidth: float = math.inf
+    ranks_per_host: int = 1
+    offload_fraction: float = 1.0
 
     def _slice_share(self) -> float:
         return 1.0 / (self.num_slices * self.chunks_per_rank)
@@ -72,6 +108,12 @@ class UniformCosts:
     def comm_latency(self, op: Op) -> float:
         return self.comm
 
+    def offload_bytes(self, op: Op) -> float:
+        return self.activation(op) * self.offload_fraction
+
+    def copy_time(self, op: Op) -> float:
+        return _copy_seconds(self.offload_bytes(op), self.host_bandwidth)
+
 
 @dataclass
 class TableCosts:
@@ -82,11 +124,16 @@ class TableCosts:
     durations: dict[tuple, float] = field(default_factory=dict)
     activations: dict[tuple, float] = field(default_factory=dict)  # keyed (stage,) or (stage, slice)
     weight_shares: dict[tuple, float] = field(default_factory=dict)
+    offloads: dict[tuple, float] = field(default_factory=dict)  # bytes an OFFLOAD copies, same keys
     comm: float | None = None
 
     @property
     def microbatch_activation(self) -> float:
         return self.default.microbatch_activation
+
+    @property
+    def ranks_per_host(self) -> int:
+        return self.default.ranks_per_host
 
     def duration(self, op: Op) -> float:
         for key in ((op.kind.value, op.stage, op.slice), (op.kind.value, op.stage)):
@@ -110,3 +157,13 @@ class TableCosts:
 
     def comm_latency(self, op: Op) -> float:
         return self.default.comm_latency(op) if self.comm is None else self.comm
+
+    def offload_bytes(self, op: Op) -> float:
+        """From the table, else the activation times the default's ``offload_fraction``."""
+        for key in ((op.stage, op.slice), (op.stage,)):
+            if key in self.offloads:
+                return self.offloads[key]
+        return self.activation(op) * self.default.offload_fraction
+
+    def copy_time(self, op: Op) -> float:
+        return _copy_seconds(self.offload_bytes(op), self.default.host_bandwidth)

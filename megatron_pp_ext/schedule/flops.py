@@ -15,12 +15,16 @@ cross-entropy. Norms, residual adds, RoPE and SiLU are left out of the FLOPs (we
 
 Durations are seconds at ``peak_flops * utilisation``: by default 400 TFLOP/s (a bf16 dense
 Hopper-class figure) at 50% utilisation, i.e. 200 TFLOP/s delivered. Pass your own.
+
+Activation offload copies the whole saved activation of a unit over the host link, by default
+50 GB/s per direction (pinned copies over PCIe 5.0 x16).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .costs import offload_ratio
 from .ir import Op, OpKind, Schedule
 from .models import ModelShape, get_model
 from .partition import DEFAULT_UNIT, causal_pairs, slice_lengths
@@ -96,6 +100,8 @@ class FlopCosts:
     utilisation: float = 0.5  # share of the peak that GEMMs and attention actually reach
     p2p_bandwidth: float = 50e9  # bytes/s between neighbouring pipeline ranks
     p2p_latency: float = 10e-6  # seconds per message
+    host_bandwidth: float = 50e9  # bytes/s of one device's host link, each direction
+    ranks_per_host: int = 1  # ranks that share one host link
     microbatch_activation: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -113,8 +119,10 @@ class FlopCosts:
                 f"layers_per_stage lists {len(self.layers_per_stage)} stages, the schedule has "
                 f"{self.num_stages}"
             )
-        if self.peak_flops * self.utilisation <= 0 or self.p2p_bandwidth <= 0:
-            raise ValueError("peak_flops, utilisation and p2p_bandwidth must be positive")
+        if self.peak_flops * self.utilisation <= 0 or self.p2p_bandwidth <= 0 or self.host_bandwidth <= 0:
+            raise ValueError("peak_flops, utilisation, p2p_bandwidth and host_bandwidth must be positive")
+        if self.ranks_per_host < 1:
+            raise ValueError(f"ranks_per_host must be at least 1, got {self.ranks_per_host}")
         self._ends = [sum(self.slice_lengths[: j + 1]) for j in range(len(self.slice_lengths))]
         self.microbatch_activation = float(
             sum(self.layers_per_stage)
@@ -182,6 +190,23 @@ class FlopCosts:
         """One hidden-state tensor (or its gradient) of the op's slice: s*b*h elements."""
         size = self._tokens(op) * self.shape.hidden * self.shape.bytes_per_element
         return size / self.p2p_bandwidth + self.p2p_latency
+
+    def offload_bytes(self, op: Op) -> float:
+        """An OFFLOAD copies the unit's whole saved activation."""
+        return self.activation(op)
+
+    def copy_time(self, op: Op) -> float:
+        return self.offload_bytes(op) / self.host_bandwidth
+
+    def offload_ratio(self) -> float:
+        """PipeOffload's k for this model and sequence length, with each rank's share of its
+        host link (the ``ranks_per_host`` ranks of a host split it)."""
+        return offload_ratio(
+            self.shape.hidden,
+            self.seq_length,
+            self.peak_flops * self.utilisation,
+            self.host_bandwidth / self.ranks_per_host,
+        )
 
 
 def flop_costs_for(

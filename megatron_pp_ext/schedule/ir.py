@@ -2,9 +2,9 @@
 
 A compute op names what it computes: its kind (F, B, W or BW), the virtual stage (model chunk)
 it runs, the microbatch and the sequence slice. Lowering passes (see ``lowering.py``) add
-communication ops (SEND/RECV) through the same type, so the simulator and the runtime read one
-format. A schedule round-trips through a small text form and JSON, so a user can write one by
-hand and load it.
+communication ops (SEND/RECV) and activation copies (OFFLOAD/RELOAD) through the same type, so
+the simulator and the runtime read one format. A schedule round-trips through a small text form
+and JSON, so a user can write one by hand and load it.
 
 This module is pure Python on purpose: the whole schedule core runs without torch.
 """
@@ -30,11 +30,14 @@ class OpKind(str, enum.Enum):
     RECV_F = "RECV_F"  # receive this stage's input activation from the previous stage's rank
     SEND_B = "SEND_B"  # send the gradient of this stage's input to the previous stage's rank
     RECV_B = "RECV_B"  # receive the gradient of this stage's output from the next stage's rank
+    OFFLOAD = "OFFLOAD"  # copy what the unit's F saved for its backward to host memory
+    RELOAD = "RELOAD"  # copy it back to the device ahead of the unit's B (or BW)
 
 
 COMPUTE_KINDS = frozenset({OpKind.F, OpKind.B, OpKind.W, OpKind.BW})
 COMM_KINDS = frozenset({OpKind.SEND_F, OpKind.RECV_F, OpKind.SEND_B, OpKind.RECV_B})
 BACKWARD_KINDS = frozenset({OpKind.B, OpKind.BW})
+COPY_KINDS = frozenset({OpKind.OFFLOAD, OpKind.RELOAD})
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,11 @@ class Op:
         return self.kind in COMM_KINDS
 
     @property
+    def is_copy(self) -> bool:
+        """An activation copy between device and host (OFFLOAD or RELOAD)."""
+        return self.kind in COPY_KINDS
+
+    @property
     def unit(self) -> tuple[int, int, int]:
         """(stage, microbatch, slice): what the op works on, whatever its kind."""
         return (self.stage, self.microbatch, self.slice)
@@ -65,7 +73,7 @@ class Op:
 
 
 _OP_PATTERN = re.compile(
-    r"^(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W)(?P<stage>\d+):(?P<mb>\d+)"
+    r"^(?P<kind>OFFLOAD|RELOAD|SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W)(?P<stage>\d+):(?P<mb>\d+)"
     r"(?:\.(?P<slice>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$"
 )
 
@@ -169,6 +177,11 @@ class Schedule:
     @property
     def is_lowered(self) -> bool:
         return any(op.is_comm for ops in self.ranks for op in ops)
+
+    @property
+    def offloads(self) -> bool:
+        """True when the schedule copies activations to host memory (has OFFLOAD ops)."""
+        return any(op.kind == OpKind.OFFLOAD for ops in self.ranks for op in ops)
 
     @property
     def loss_rank(self) -> int:

@@ -3,17 +3,20 @@
 A pass is a function ``Schedule -> Schedule``. :func:`insert_p2p` adds the point-to-point
 communication: a RECV right before each compute op whose input lives on another rank, and a
 SEND right after each compute op whose output another rank needs. Two stages on the same rank
-(the tip of a V) hand over in memory and get no comm op. Later passes (offload, vocabulary
-S/T ops) plug into :func:`lower` the same way.
+(the tip of a V) hand over in memory and get no comm op. :func:`insert_offload` adds the
+activation copies of PipeOffload (which units to copy is a policy: ``offload.py``). Later passes
+(vocabulary S/T ops) plug into :func:`lower` the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Collection
 
 from .ir import Op, OpKind, Schedule
 
 Pass = Callable[[Schedule], Schedule]
+Unit = tuple[int, int, int]  # (stage, microbatch, slice)
 
 
 def _comm_for(op: Op, schedule: Schedule, rank: int) -> tuple[list[Op], list[Op]]:
@@ -51,6 +54,69 @@ def insert_p2p(schedule: Schedule) -> Schedule:
             lowered.extend(after)
         ranks.append(lowered)
     return schedule.with_ranks(ranks)
+
+
+def _group_start(ops: list[Op], position: int) -> int:
+    """First position of the compute op at ``position`` together with the RECVs that feed it."""
+    op = ops[position]
+    recv = OpKind.RECV_F if op.kind == OpKind.F else OpKind.RECV_B
+    while position > 0 and ops[position - 1].kind == recv and ops[position - 1].unit == op.unit:
+        position -= 1
+    return position
+
+
+def _group_end(ops: list[Op], position: int) -> int:
+    """Last position of the F at ``position`` together with the SEND of its output."""
+    unit = ops[position].unit
+    while (
+        position + 1 < len(ops) and ops[position + 1].kind == OpKind.SEND_F and ops[position + 1].unit == unit
+    ):
+        position += 1
+    return position
+
+
+def insert_offload(schedule: Schedule, units: Collection[Unit] | None = None, lookahead: int = 1) -> Schedule:
+    """Add an OFFLOAD right after the F of each unit in ``units`` (every unit when None) and a
+    RELOAD ``lookahead`` compute ops ahead of its B (or BW), so the copy back overlaps them.
+
+    A unit with ``lookahead`` or fewer compute ops between its F and its B is left alone: its
+    activation would be back on the device before anything else ran, so copying it frees
+    nothing. On a lowered schedule an OFFLOAD goes after the F's SEND and a RELOAD before the
+    RECVs of the op it precedes (it then also overlaps the wait). A schedule that already has
+    copies is returned unchanged."""
+    if lookahead < 0:
+        raise ValueError(f"the reload lookahead must be at least 0 compute ops, got {lookahead}")
+    if any(op.is_copy for _, _, op in schedule.all_ops()):
+        return schedule
+    wanted = None if units is None else set(units)
+    ranks: list[list[Op]] = []
+    for ops in schedule.ranks:
+        compute = [position for position, op in enumerate(ops) if op.is_compute]
+        index = {(ops[p].kind, ops[p].unit): n for n, p in enumerate(compute)}
+        after: dict[int, list[Op]] = defaultdict(list)
+        before: dict[int, list[tuple[int, Op]]] = defaultdict(list)
+        for n, position in enumerate(compute):
+            op = ops[position]
+            if op.kind != OpKind.F or (wanted is not None and op.unit not in wanted):
+                continue
+            back = index.get((OpKind.B, op.unit), index.get((OpKind.BW, op.unit)))
+            if back is None or back - n - 1 <= lookahead:
+                continue
+            after[_group_end(ops, position)].append(Op(OpKind.OFFLOAD, *op.unit))
+            target = _group_start(ops, compute[back - lookahead])
+            before[target].append((back, Op(OpKind.RELOAD, *op.unit)))
+        lowered: list[Op] = []
+        for position, op in enumerate(ops):
+            lowered.extend(reload for _, reload in sorted(before.get(position, []), key=lambda item: item[0]))
+            lowered.append(op)
+            lowered.extend(after.get(position, []))
+        ranks.append(lowered)
+    return schedule.with_ranks(ranks)
+
+
+def offload_pass(units: Collection[Unit] | None = None, lookahead: int = 1) -> Pass:
+    """:func:`insert_offload` as a pass for :func:`lower`."""
+    return lambda schedule: insert_offload(schedule, units, lookahead)
 
 
 DEFAULT_PASSES: tuple[Pass, ...] = (insert_p2p,)

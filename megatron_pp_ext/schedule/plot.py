@@ -1,9 +1,11 @@
 """Pictures of a simulated schedule: a timeline image and a Chrome/Perfetto trace.
 
 The image has one row per rank (F/B/W/BW boxes coloured by kind, lighter for later model chunks,
-labelled ``microbatch.slice``) with that rank's activation-memory curve, in units of M, right under
-it. The trace (``traceEvents`` with complete "X" events, one process per rank, plus a memory
-counter track) opens in ui.perfetto.dev or chrome://tracing for zooming into long schedules.
+labelled ``microbatch.slice``; activation copies to and from host memory as a thin strip under
+them) with that rank's activation-memory curve, in units of M, right under it. The trace
+(``traceEvents`` with complete "X" events, one process per rank with a compute lane and a lane
+per copy direction, plus a memory counter track) opens in ui.perfetto.dev or chrome://tracing for
+zooming into long schedules.
 
 matplotlib is imported inside :func:`plot_timeline` so the schedule core stays import-light.
 """
@@ -21,7 +23,10 @@ KIND_COLOURS = {
     OpKind.B: "#3ea860",
     OpKind.W: "#9a6fc0",
     OpKind.BW: "#d9534f",
+    OpKind.OFFLOAD: "#e08a2c",
+    OpKind.RELOAD: "#2aa3a3",
 }
+COPY_STRIP = 0.25  # share of a rank's row that its copies take, at the bottom
 LABEL_FONT_PT = 6.5
 LEFT, RIGHT = 0.065, 0.985  # figure fractions around the axes
 MAX_LABELS = 5000  # beyond this many readable boxes, text costs more time than it helps
@@ -125,14 +130,19 @@ def plot_timeline(
     by_rank: list[list[Event]] = [[] for _ in range(pp)]
     for event in result.events:
         by_rank[event.rank].append(event)
+    bottom = COPY_STRIP + 0.05 if result.copies else 0.0
 
     for rank, axis in enumerate(op_axes):
         polygons: list[list[tuple[float, float]]] = []
         colours: list[tuple[float, float, float]] = []
         texts: list[tuple[float, str, str]] = []
+        for event in [e for e in result.copies if e.rank == rank]:
+            start, end = event.start * scale, event.end * scale
+            polygons.append([(start, 0.0), (end, 0.0), (end, COPY_STRIP), (start, COPY_STRIP)])
+            colours.append(_shade(KIND_COLOURS[event.op.kind], 0, 1))
         for event in by_rank[rank]:
             start, end = event.start * scale, event.end * scale
-            polygons.append([(start, 0.0), (end, 0.0), (end, 1.0), (start, 1.0)])
+            polygons.append([(start, bottom), (end, bottom), (end, 1.0), (start, 1.0)])
             chunk = schedule.placement.chunk_index(event.op.stage)
             colours.append(_shade(KIND_COLOURS[event.op.kind], chunk, chunks))
             label = op_label(event, num_slices)
@@ -142,7 +152,9 @@ def plot_timeline(
                 labels_left -= 1
         axis.add_collection(PolyCollection(polygons, facecolors=colours, edgecolors="white", linewidths=0.4))
         for x, label, colour in texts:
-            axis.text(x, 0.5, label, ha="center", va="center", fontsize=LABEL_FONT_PT, color=colour)
+            axis.text(
+                x, (1 + bottom) / 2, label, ha="center", va="center", fontsize=LABEL_FONT_PT, color=colour
+            )
         axis.set_ylim(0, 1)
         axis.set_yticks([])
         axis.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center", fontsize=9)
@@ -178,7 +190,7 @@ def plot_timeline(
     mem_axes[-1].set_xlabel(xlabel, fontsize=9)
     first_axis.set_xlim(0, makespan)
 
-    kinds = [kind for kind in KIND_COLOURS if any(e.op.kind == kind for e in result.events)]
+    kinds = [kind for kind in KIND_COLOURS if any(e.op.kind == kind for e in result.events + result.copies)]
     handles = [Patch(color=KIND_COLOURS[kind], label=kind.value) for kind in kinds]
     if chunks > 1:
         shades = [_shade(KIND_COLOURS[OpKind.F], c, chunks) for c in (0, chunks - 1)]
@@ -216,7 +228,14 @@ def trace_events(result: SimResult, microseconds_per_unit: float = 1e6) -> dict[
             {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}}
         )
         events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}})
-    for event in result.events:
+    copy_lanes = {OpKind.OFFLOAD: 1, OpKind.RELOAD: 2}
+    if result.copies:
+        for rank in range(schedule.pp):
+            for name, tid in (("device to host", 1), ("host to device", 2)):
+                events.append(
+                    {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}
+                )
+    for event in result.events + result.copies:
         op = event.op
         events.append(
             {
@@ -224,7 +243,7 @@ def trace_events(result: SimResult, microseconds_per_unit: float = 1e6) -> dict[
                 "cat": op.kind.value,
                 "ph": "X",
                 "pid": event.rank,
-                "tid": 0,
+                "tid": copy_lanes.get(op.kind, 0),
                 "ts": event.start * microseconds_per_unit,
                 "dur": (event.end - event.start) * microseconds_per_unit,
                 "args": {

@@ -6,6 +6,14 @@ the message takes the cost model's latency); sends never block. Memory: F adds t
 activation when it starts, B frees all but the weight-gradient share (at its end), W frees that
 share, BW frees everything.
 
+Activation copies (OFFLOAD/RELOAD, see ``lowering.insert_offload``) run beside compute on two copy
+streams per rank, device-to-host and host-to-device. An OFFLOAD is issued when the rank reaches it
+(right after its F) and frees the copied bytes when its copy ends; a RELOAD starts once that copy
+is done and its stream is free, allocates the bytes when it starts, and the unit's B (or BW) waits
+for it to end. The ``ranks_per_host`` ranks of one host share its link: each direction carries
+one copy at a time, so the copies of those ranks queue behind each other. Waiting for a reload is
+idle time, so a link that is too slow shows up as bubble.
+
 Bubble rate of a rank = idle time / makespan; the overall rate is the mean over ranks. The
 "in span" rate counts each rank only between its own first and last op, as the zero-bubble
 papers do.
@@ -13,13 +21,15 @@ papers do.
 
 from __future__ import annotations
 
+import itertools
 import math
+from bisect import bisect_right, insort
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from .costs import CostModel, UniformCosts
-from .ir import Op, OpKind, Schedule, format_op
+from .ir import BACKWARD_KINDS, Op, OpKind, Schedule, format_op
 from .lowering import lower
 from .validate import ScheduleError
 
@@ -39,8 +49,11 @@ class SimResult:
     busy_per_rank: list[float]
     peak_memory_per_rank: list[float]  # in the cost model's memory unit (bytes for FLOP models)
     microbatch_activation: float
-    events: list[Event] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)  # compute ops
     memory_curves: list[list[tuple[float, float]]] = field(default_factory=list)
+    copies: list[Event] = field(default_factory=list)  # OFFLOAD/RELOAD on the copy streams
+    offloaded_bytes_per_rank: list[float] = field(default_factory=list)
+    baseline: SimResult | None = None  # the same schedule without its copies, when compared
 
     @property
     def bubble_rate_per_rank(self) -> list[float]:
@@ -91,6 +104,8 @@ class SimResult:
             "bubble_rate_in_span": self.bubble_rate_in_span,
             "peak_memory_m": self.peak_memory_m,
             "peak_memory_bytes": self.peak_memory_per_rank,
+            "offloaded_bytes": self.offloaded_bytes_per_rank,
+            **({"without_offload": self.baseline.to_dict()} if self.baseline is not None else {}),
         }
 
 
@@ -103,6 +118,45 @@ def message_key(op: Op) -> tuple[str, int, int, int]:
     return ("F" if op.kind == OpKind.RECV_F else "B", op.stage, op.microbatch, op.slice)
 
 
+class _Link:
+    """One direction of one host link: the copies booked on it, as disjoint sorted intervals."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def book(self, ready: float, duration: float) -> float:
+        """Book the earliest free stretch of ``duration`` at or after ``ready``; return its start."""
+        start = ready
+        if duration <= 0:
+            return start
+        index = bisect_right(self.ends, start)
+        while index < len(self.starts) and self.starts[index] < start + duration:
+            start = max(start, self.ends[index])
+            index += 1
+        insort(self.starts, start)
+        insort(self.ends, start + duration)
+        return start
+
+
+class _Copies:
+    """The copy streams of every rank and the host links they share."""
+
+    def __init__(self, pp: int, ranks_per_host: int) -> None:
+        self.ranks_per_host = max(1, ranks_per_host)
+        self.links: dict[tuple[int, OpKind], _Link] = defaultdict(_Link)
+        self.stream_free: dict[tuple[int, OpKind], float] = defaultdict(float)
+        self.events: list[Event] = []
+
+    def run(self, rank: int, op: Op, ready: float, duration: float) -> tuple[float, float]:
+        """Queue ``op``'s copy on its rank's stream for its direction; return (start, end)."""
+        ready = max(ready, self.stream_free[(rank, op.kind)])
+        start = self.links[(rank // self.ranks_per_host, op.kind)].book(ready, duration)
+        self.stream_free[(rank, op.kind)] = start + duration
+        self.events.append(Event(rank, op, start, start + duration))
+        return start, start + duration
+
+
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     """Replay ``schedule`` (lowered first if needed) under ``costs`` (unit costs by default)."""
     if costs is None:
@@ -113,9 +167,12 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     arrival: dict[tuple[str, int, int, int], float] = {}  # message_key -> arrival time
     clock = [0.0] * lowered.pp
     busy = [0.0] * lowered.pp
-    memory = [0.0] * lowered.pp
-    peak = [0.0] * lowered.pp
-    curves: list[list[tuple[float, float]]] = [[(0.0, 0.0)] for _ in range(lowered.pp)]
+    changes: list[list[tuple[float, int, float]]] = [[] for _ in range(lowered.pp)]
+    order = itertools.count()  # replay order breaks ties between changes at the same time
+    copies = _Copies(lowered.pp, costs.ranks_per_host)
+    copied_out: dict[tuple[int, int, int], float] = {}  # unit -> end of its OFFLOAD copy
+    reloaded: dict[tuple[int, int, int], float] = {}  # unit -> end of its RELOAD copy
+    offloaded_bytes = [0.0] * lowered.pp
     held_for_w: dict[tuple[int, tuple[int, int, int]], float] = {}
     events: list[Event] = []
     pointers = [0] * lowered.pp
@@ -133,8 +190,21 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         if op.kind in (OpKind.SEND_F, OpKind.SEND_B):
             arrival[message_key(op)] = last_compute_end[rank] + costs.comm_latency(op)
             return True
+        if op.kind == OpKind.OFFLOAD:
+            size = costs.offload_bytes(op)
+            _, copied_out[op.unit] = copies.run(rank, op, now, costs.copy_time(op))
+            offloaded_bytes[rank] += size
+            _change(rank, copied_out[op.unit], -size)
+            return True
+        if op.kind == OpKind.RELOAD:
+            start, reloaded[op.unit] = copies.run(
+                rank, op, max(now, copied_out[op.unit]), costs.copy_time(op)
+            )
+            _change(rank, start, costs.offload_bytes(op))
+            return True
         duration = costs.duration(op)
-        start, end = now, now + duration
+        start = max(now, reloaded.pop(op.unit, 0.0)) if op.kind in BACKWARD_KINDS else now
+        end = start + duration
         events.append(Event(rank, op, start, end))
         busy[rank] += duration
         clock[rank] = end
@@ -152,9 +222,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         return True
 
     def _change(rank: int, time: float, delta: float) -> None:
-        memory[rank] += delta
-        peak[rank] = max(peak[rank], memory[rank])
-        curves[rank].append((time, memory[rank]))
+        changes[rank].append((time, next(order), delta))
 
     # A rank runs until a RECV waits for a message not yet sent; the SEND wakes it.
     waiting: dict[tuple[str, int, int, int], list[int]] = defaultdict(list)
@@ -175,12 +243,34 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         detail = "; ".join(f"rank {r} waits at {format_op(lowered.ranks[r][pointers[r]])}" for r in stuck)
         raise ScheduleError(f"deadlock in simulation: {detail}")
     makespan = max((e.end for e in events), default=0.0)
+    peaks, curves = _memory(changes)
     return SimResult(
         schedule=schedule,
         makespan=makespan,
         busy_per_rank=busy,
-        peak_memory_per_rank=peak,
+        peak_memory_per_rank=peaks,
         microbatch_activation=costs.microbatch_activation,
         events=events,
         memory_curves=curves,
+        copies=copies.events,
+        offloaded_bytes_per_rank=offloaded_bytes,
     )
+
+
+def _memory(
+    changes: list[list[tuple[float, int, float]]],
+) -> tuple[list[float], list[list[tuple[float, float]]]]:
+    """Peak and curve of each rank from its changes in time order. A copy ends at a time the rank
+    has not reached when it is replayed, so the changes are sorted; at equal times they keep the
+    replay order (a copy that ends as an F starts frees first)."""
+    peaks: list[float] = []
+    curves: list[list[tuple[float, float]]] = []
+    for rank_changes in changes:
+        level, peak, curve = 0.0, 0.0, [(0.0, 0.0)]
+        for time, _, delta in sorted(rank_changes):
+            level += delta
+            peak = max(peak, level)
+            curve.append((time, level))
+        peaks.append(peak)
+        curves.append(curve)
+    return peaks, curves

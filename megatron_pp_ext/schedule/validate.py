@@ -10,7 +10,9 @@ It checks, and its error names the first broken rule:
    its next op. If every rank is blocked, the schedule deadlocks;
 3. for lowered schedules, that SEND/RECV ops pair up, in the same order on both ends of every
    channel (NCCL and gloo match messages in order), and that a RECV waits for its SEND (sends are
-   asynchronous, receives block).
+   asynchronous, receives block);
+4. activation copies: at most one OFFLOAD and one RELOAD per unit, on the unit's rank, in the
+   order F, OFFLOAD, RELOAD, B (or BW); one without the other is an error.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from .deps import Unit, compute_dependencies, describe
-from .ir import COMPUTE_KINDS, Op, OpKind, Schedule, format_op
+from .ir import COMPUTE_KINDS, COPY_KINDS, Op, OpKind, Schedule, format_op
 from .lowering import matching_op
 
 
@@ -64,7 +66,7 @@ def _check_structure(schedule: Schedule) -> None:
                 f"{op} at {_where(rank, position)}: slice out of range 0..{schedule.slices - 1}"
             )
         owner = schedule.placement.rank_of(op.stage)
-        if op.kind in COMPUTE_KINDS:
+        if op.kind in COMPUTE_KINDS or op.kind in COPY_KINDS:
             if owner != rank:
                 raise ScheduleError(
                     f"{op} at {_where(rank, position)}: stage {op.stage} belongs to rank {owner} "
@@ -80,6 +82,7 @@ def _check_structure(schedule: Schedule) -> None:
         for microbatch in range(schedule.microbatches):
             for slice_ in range(schedule.slices):
                 _check_unit(schedule, seen, (stage, microbatch, slice_))
+    _check_copies(seen)
 
 
 def _check_unit(schedule: Schedule, seen: dict, unit: Unit) -> None:
@@ -99,6 +102,35 @@ def _check_unit(schedule: Schedule, seen: dict, unit: Unit) -> None:
         if w_pos < b_pos:
             raise ScheduleError(
                 f"W{name} at {_where(w_rank, w_pos)} runs before its B{name} at position {b_pos}"
+            )
+
+
+def _check_copies(seen: dict[tuple[OpKind, Unit], tuple[int, int]]) -> None:
+    """F, OFFLOAD, RELOAD, B in this order on the unit's rank (the copies sit on that rank)."""
+    for (kind, unit), (rank, position) in sorted(seen.items(), key=lambda item: item[1]):
+        if kind not in COPY_KINDS:
+            continue
+        name = describe("", unit)
+        here = f"{kind.value}{name} at {_where(rank, position)}"
+        if (OpKind.OFFLOAD, unit) not in seen:
+            raise ScheduleError(f"{here} has no OFFLOAD{name}: only an offloaded activation can be reloaded")
+        if (OpKind.RELOAD, unit) not in seen:
+            raise ScheduleError(
+                f"{here} has no RELOAD{name}: its backward would find the activation on the host"
+            )
+        forward = seen[(OpKind.F, unit)][1]
+        backward_kind = OpKind.B if (OpKind.B, unit) in seen else OpKind.BW
+        backward = seen[(backward_kind, unit)][1]
+        if kind == OpKind.OFFLOAD and position < forward:
+            raise ScheduleError(f"{here} runs before F{name} (position {forward}): nothing is saved yet")
+        if kind == OpKind.RELOAD and position < seen[(OpKind.OFFLOAD, unit)][1]:
+            raise ScheduleError(
+                f"{here} runs before OFFLOAD{name} (position {seen[(OpKind.OFFLOAD, unit)][1]})"
+            )
+        if position > backward:
+            raise ScheduleError(
+                f"{here} runs after {backward_kind.value}{name} (position {backward}), "
+                "which needs the activation"
             )
 
 
@@ -165,6 +197,8 @@ class _Execution:
         """None if ``op`` can run now, else (what it waits for, where that is, the op kinds that
         would satisfy it, their unit, the fact it waits for)."""
         place = self.schedule.placement
+        if op.is_copy:
+            return None  # placed after its F and before its B on the same rank: checked above
         if op.is_comm:
             if op.kind in (OpKind.SEND_F, OpKind.SEND_B):
                 what = "F" if op.kind == OpKind.SEND_F else "BACKWARD"
