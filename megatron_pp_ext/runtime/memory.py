@@ -15,7 +15,7 @@ are excluded. On GPU the executor also reports ``torch.cuda.max_memory_allocated
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -220,4 +220,110 @@ def stage_op_memory(
                 model.seq_length, micro_batch_size, model.hidden_size, generator=generator
             ).to(device=device, dtype=model.torch_dtype)
         results.append(measure_op_memory(chunk, run_forward, stage_input))
+    return results
+
+
+def measure_slice_memory(
+    chunk: torch.nn.Module,
+    context: Any,
+    lengths: Sequence[int],
+    run_forward: Callable[[torch.nn.Module, int], Tensor],
+    make_input: Callable[[int], Tensor | None],
+) -> list[OpMemory]:
+    """:func:`measure_op_memory` for the k slices of one microbatch on a sliced chunk: forwards in
+    slice order (each slice attends to the cached K/V of the earlier ones), then B and W of each
+    slice last-first. ``forward`` of slice j is what its F adds; ``after_backward`` what its W
+    still needs after its B. ``context`` is the chunk's SliceContext; ``run_forward(chunk, j)``
+    runs slice j's forward, ``make_input(j)`` gives its stage input (None on the first stage)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from .stage import run_backward
+    from .weight_grad import WeightGradStore, attach_store
+
+    meter = ActivationMeter()
+    meter.exclude(chunk.parameters())
+    store = WeightGradStore()
+    uncovered = attach_store(chunk, store)
+    holds: dict[int, list[Hold]] = {}
+    store.on_hold = lambda key, tensors: holds.setdefault(key, []).extend(meter.hold_all(tensors))
+    store.on_release = lambda key: [h.release() for h in holds.pop(key, [])]
+    context.release()
+    context.set_slicing(list(lengths))
+    forwards: list[int] = []
+    units: list[tuple[Tensor | None, Hold, Tensor]] = []
+    try:
+        for j in range(len(lengths)):
+            before = meter.live
+            stage_input = make_input(j)
+            if stage_input is not None:
+                stage_input = stage_input.detach().requires_grad_(True)
+            hold = meter.hold(stage_input)
+            get_attr_wrapped_model(chunk, "set_input_tensor")(stage_input)
+            with context.running(0, j), meter.saving():
+                output = run_forward(chunk, j)
+            units.append((stage_input, hold, output))
+            forwards.append(meter.live - before)
+        shares = [0] * len(lengths)
+        for j in reversed(range(len(lengths))):
+            stage_input, hold, output = units.pop()
+            grad = torch.ones_like(output) if output.numel() == 1 else torch.randn_like(output)
+            inputs = ([stage_input] if stage_input is not None else []) + uncovered
+            with store.collect(j):
+                grads = run_backward(output, grad, inputs)
+            for param, param_grad in zip(uncovered, grads[len(inputs) - len(uncovered) :]):
+                if param_grad is not None:
+                    store.add(j, param, param_grad)
+            del output, grads, grad, stage_input
+            hold.release()
+            after_backward = meter.live
+            store.apply(j)
+            shares[j] = after_backward - meter.live
+    finally:
+        context.release()
+        for module in chunk.modules():
+            if getattr(module, "wgrad_store", None) is store:
+                module.wgrad_store = None
+    return [OpMemory(forward=f, after_backward=s, after_weight=0) for f, s in zip(forwards, shares)]
+
+
+def stage_slice_memory(
+    model: Any,
+    num_stages: int,
+    lengths: Sequence[int],
+    micro_batch_size: int = 1,
+    layers_per_stage: list[int] | None = None,
+    seed: int = 0,
+) -> list[list[OpMemory]]:
+    """:func:`stage_op_memory` per slice: for every virtual stage of ``model`` (a ``ModelConfig``,
+    built with sliced attention), what each slice's F keeps and its W still needs after B, to
+    calibrate the simulator for a sliced schedule (``TableCosts`` keyed (stage, slice))."""
+    from ..megatron.model import build_stage, split_layers
+    from ..megatron.sliced import slice_context_of
+
+    layers = split_layers(model.num_layers, num_stages, layers_per_stage)
+    generator = torch.Generator().manual_seed(seed)
+    shape = (micro_batch_size, model.seq_length)
+    tokens = torch.randint(0, model.vocab_size, shape, generator=generator)
+    labels = torch.randint(0, model.vocab_size, shape, generator=generator)
+    positions = torch.arange(model.seq_length).unsqueeze(0).expand(micro_batch_size, -1)
+    starts = [sum(lengths[:j]) for j in range(len(lengths) + 1)]
+    results = []
+    for stage in range(num_stages):
+        chunk = build_stage(model, stage, layers, sliced=True)
+        device = next(chunk.parameters()).device
+        last = stage == num_stages - 1
+
+        def run_forward(c: torch.nn.Module, j: int, last: bool = last, to: torch.device = device) -> Tensor:
+            cut = slice(starts[j], starts[j + 1])
+            out = c(tokens[:, cut].to(to), positions[:, cut].to(to), None, labels=labels[:, cut].to(to))
+            return out.sum() if last else out
+
+        def make_input(j: int, stage: int = stage, device: torch.device = device) -> Tensor | None:
+            if stage == 0:
+                return None
+            size = (lengths[j], micro_batch_size, model.hidden_size)
+            return torch.randn(size, generator=generator).to(device=device, dtype=model.torch_dtype)
+
+        context = slice_context_of(chunk)
+        results.append(measure_slice_memory(chunk, context, lengths, run_forward, make_input))
     return results
