@@ -64,6 +64,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=None, help="model shape for the FLOP cost model, e.g. llama-7b")
     parser.add_argument("--seq-length", type=int, default=4096, help="sequence length for --model")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch")
+    parser.add_argument(
+        "--pp-attn-redistribution",
+        type=float,
+        default=0.0,
+        metavar="CAP",
+        help="SlimPipe attention redistribution: paired heavy ranks hand up to CAP (0..1) of their "
+        "attention to light partners (needs --model; 0 = off)",
+    )
     add_offload_args(parser)
     parser.add_argument("--plot", help="write a timeline picture (.png or .svg)")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace (.json)")
@@ -221,12 +229,30 @@ def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
         raise UsageError(error.flag, str(error), flag_in_message=True) from None
     except KeyError as error:
         raise UsageError("--model", str(error.args[0]), flag_in_message=True) from None
+    if args.pp_attn_redistribution:
+        model = redistributed(args, schedule, model)
     if args.pp_offload == "none":
         return simulate(schedule, model)
     check_offload_args(args)
     result = simulate(offloaded(args, schedule, model), model)
     result.baseline = simulate(schedule, model)
     return result
+
+
+def redistributed(args: argparse.Namespace, schedule: Schedule, model: CostModel) -> CostModel:
+    """``model`` with SlimPipe's attention redistribution; the bubble without it goes into
+    ``schedule.meta`` for the report."""
+    from ..schedule.flops import FlopCosts
+    from ..schedule.redistribute import redistribute
+
+    cap = args.pp_attn_redistribution
+    if not isinstance(model, FlopCosts):
+        raise UsageError("--pp-attn-redistribution", "needs the FLOP cost model: add --model NAME")
+    if not 0.0 <= cap <= 1.0:
+        raise UsageError("--pp-attn-redistribution", f"CAP must be between 0 and 1, got {cap}")
+    schedule.meta["attn_redistribution"] = cap
+    schedule.meta["bubble_without_redistribution"] = simulate(schedule, model).bubble_rate
+    return redistribute(schedule, model, cap)
 
 
 def _row(result: SimResult, in_bytes: bool = False) -> dict[str, Any]:
@@ -276,6 +302,12 @@ def run(args: argparse.Namespace) -> int:
     print(per_rank)
     if result.baseline is not None:
         print(offload_summary(result))
+    meta = result.schedule.meta
+    if "bubble_without_redistribution" in meta:
+        print(
+            f"attention redistribution (cap {meta['attn_redistribution']:g}): bubble "
+            f"{meta['bubble_without_redistribution']:.3f} without -> {result.bubble_rate:.3f} with"
+        )
     return 0
 
 
