@@ -11,6 +11,8 @@ a deadline, see ``p2p.py``), SEND ops are asynchronous and release the stage out
 once sent (Megatron's ``deallocate_output_tensor``). Two consecutive stages on the same rank (the
 tip of a V) hand over in memory. Weight gradients land in ``param.grad`` (or ``main_grad``);
 zeroing them, finalising them (``finalize_model_grads``) and the optimizer step are the caller's.
+OFFLOAD/RELOAD ops move a unit's saved activations to host memory and back (``offload.py``;
+``runtime.offload`` is the engine, with its host pool).
 Schedules with sequence slices cut each microbatch as ``slicing.py`` says: the chunks need sliced
 attention (``build_chunks(..., sliced=True)``), messages have the slice's shape.
 """
@@ -32,6 +34,7 @@ from ..schedule.lowering import lower
 from ..schedule.models import megatron_shape
 from ..schedule.validate import validate
 from .memory import ActivationMeter, Hold
+from .offload import OffloadEngine, OffloadStats
 from .p2p import PeerError, PipeComm
 from .slicing import SliceFn, StepSlicing, plan_slices
 from .stage import ForwardStepFunc, LossRecord, StageRunner, deallocate
@@ -51,6 +54,7 @@ class StepResult:
     peak_activation_bytes: int
     peak_memory_allocated: int | None = None  # torch.cuda.max_memory_allocated on GPU
     op_count: dict[str, int] = field(default_factory=dict)
+    offload: OffloadStats | None = None  # what the activation copies did, when the schedule has any
 
 
 class PipelineError(RuntimeError):
@@ -99,6 +103,7 @@ class PipelineRuntime:
         self.stores = [WeightGradStore() for _ in self.chunks]
         _check_parallel_state(comm.size)
         self.meter = ActivationMeter()
+        self.offload = OffloadEngine(self.device)
         self.last_result: StepResult | None = None
         self._prepared: dict[tuple[str, bool], Schedule] = {}  # validated once per schedule
 
@@ -145,6 +150,8 @@ class PipelineRuntime:
             self.meter.exclude(chunk.parameters())
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        params = [param for chunk in self.chunks for param in chunk.parameters()]
+        offload = self.offload if self.offload.begin(self.meter, lowered.ranks[self.rank], params) else None
         runners = {
             stage: StageRunner(
                 self.chunks[lowered.placement.chunk_index(stage)],
@@ -154,6 +161,7 @@ class PipelineRuntime:
                 self.meter,
                 self.stores[lowered.placement.chunk_index(stage)],
                 num_slices=lowered.slices,
+                offload=offload,
             )
             for stage in stages
         }
@@ -178,7 +186,10 @@ class PipelineRuntime:
         )
         try:
             run.execute()
+            if offload is not None:
+                offload.finish()
         except BaseException:
+            self.offload.discard()
             for runner in runners.values():
                 runner.discard()
             if slicing is not None:
@@ -196,6 +207,7 @@ class PipelineRuntime:
             if self.device.type == "cuda"
             else None,
             op_count=run.op_count,
+            offload=None if offload is None else offload.stats,
         )
         return self.last_result
 
@@ -336,6 +348,10 @@ class _StepRun:
             direction = "F" if kind == OpKind.SEND_F else "B"
             tensor, hold = self.outbox.pop((direction, op.stage, op.microbatch, op.slice))
             self.rt.comm.send(tensor, op.peer, direction, str(op), on_done=hold.release)
+        elif kind == OpKind.OFFLOAD:
+            self.rt.offload.offload(op.unit)
+        elif kind == OpKind.RELOAD:
+            self.rt.offload.reload(op.unit)
         else:
             raise PipelineError(f"rank {self.rt.rank}: unknown op {op}")
 

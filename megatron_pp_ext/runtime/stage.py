@@ -20,6 +20,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
 from .memory import ActivationMeter, Hold
+from .offload import OffloadEngine, saving
 from .slicing import SliceLosses, combine_reports, sliced_loss
 from .weight_grad import WeightGradStore, attach_store
 
@@ -83,8 +84,10 @@ class StageRunner:
         meter: ActivationMeter,
         store: WeightGradStore,
         num_slices: int = 1,
+        offload: OffloadEngine | None = None,
     ) -> None:
         self.chunk = chunk
+        self.offload = offload
         self.num_slices = num_slices
         self.stage = stage
         self.is_first = stage == 0
@@ -120,7 +123,7 @@ class StageRunner:
             with torch.no_grad():
                 output, loss_func = forward_step_func(data_iterator, self.chunk)
         else:
-            with self.meter.saving():
+            with saving(self.offload, self.meter, (self.stage, *key), input_tensor) as input_hold:
                 output, loss_func = forward_step_func(data_iterator, self.chunk)
         normalise = None
         if self.is_last and self.num_slices > 1:
@@ -130,7 +133,7 @@ class StageRunner:
         elif self.is_last:
             output = self._loss(key[0], output, loss_func, num_microbatches, losses, collect_non_loss_data)
         if not forward_only:
-            self._units[key] = _Unit(input_tensor, output, [self.meter.hold(input_tensor)], normalise)
+            self._units[key] = _Unit(input_tensor, output, [input_hold], normalise)
         return None if self.is_last else output
 
     def _loss(
