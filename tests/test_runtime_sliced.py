@@ -145,10 +145,14 @@ def sliced_worker(rank: int, world: int) -> dict:
     return report
 
 
-def runtime_lengths(chunk: torch.nn.Module) -> tuple[int, ...]:
+def runtime_context(chunk: torch.nn.Module):
     from megatron_pp_ext.megatron.sliced import slice_context_of
 
-    return slice_context_of(chunk).slicing()
+    return slice_context_of(chunk)
+
+
+def runtime_lengths(chunk: torch.nn.Module) -> tuple[int, ...]:
+    return runtime_context(chunk).slicing()
 
 
 def hook_step(rank, world, reference, ref_grads, ref_losses, batches, model_cfg) -> dict:
@@ -185,7 +189,20 @@ def hook_step(rank, world, reference, ref_grads, ref_losses, batches, model_cfg)
             decoder_seq_length=model_cfg.seq_length,
             forward_only=False,
         )
+        evaluated = pipeline_parallel.get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches) for _ in model],
+            model=model,
+            num_microbatches=microbatches,
+            seq_length=model_cfg.seq_length,
+            micro_batch_size=MICRO_BATCH,
+            forward_only=True,
+        )
         return {
+            "eval_error": max(abs(a - b) / abs(b) for a, b in zip(loss_values(evaluated), ref_losses))
+            if evaluated
+            else None,
+            "caches_left": [runtime_context(c).cached_microbatches() for c in model],
             "partition": schedule.meta["partition"],
             "lengths": list(runtime_lengths(model[0])),
             "grad_error": max(
@@ -241,9 +258,11 @@ def test_sliced_exact_p4(key: str) -> None:
     _check(4, key)
 
 
-def test_megatron_hook_runs_a_sliced_schedule_exactly() -> None:
+def test_megatron_hook_runs_a_sliced_schedule_exactly_and_forward_only() -> None:
     reports = [r["hook"] for r in _launch(2)]
     for rank, r in enumerate(reports):
         assert r["partition"] == "balanced" and sum(r["lengths"]) == SEQ
         assert r["grad_error"] < TOLERANCE, (rank, r)
+        assert r["caches_left"] == [[]], (rank, r)  # no K/V cache outlives a step
     assert [r["loss_error"] for r in reports if r["loss_error"] is not None][0] < TOLERANCE
+    assert [r["eval_error"] for r in reports if r["eval_error"] is not None][0] < TOLERANCE
