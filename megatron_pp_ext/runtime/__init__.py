@@ -14,6 +14,10 @@ Entry points: :class:`PipelineRuntime` (built once per rank with its chunks and 
 
 ``result.losses`` holds the loss dicts on the rank of the last virtual stage (rank 0 for V-shape
 schedules); ``result.peak_activation_bytes`` the rank's activation peak.
+
+Sequence-sliced schedules (``generate(..., slices=k)``) need chunks from
+``build_chunks(..., sliced=True)``; ``tensor_shape`` stays the whole microbatch's and the
+iterators yield whole microbatches: ``slicing.py`` cuts both per slice.
 """
 
 from .api import forward_backward
