@@ -1,0 +1,64 @@
+"""Our runtime on one rank: the main job's chunks, forward_step and loss_func, timed one step at a time."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..commands.train import forward_step
+from ..megatron.model import ModelConfig, build_chunks, copy_from_reference, layer_offsets, split_layers
+from ..runtime import PipeComm, PipelineRuntime
+from ..schedule.ir import Schedule
+
+
+def microbatch_loss(report: Tensor) -> float:
+    """A microbatch's mean token loss from the main job's report: ``[sum, tokens]`` (Megatron's
+    three-value loss_func) or the mean itself."""
+    values = report.detach().reshape(-1).double()
+    return float(values[0] / values[1].clamp(min=1)) if values.numel() == 2 else float(values[0])
+
+
+class OurJob:
+    """One rank of one of our schedules, with the weights of ``reference``."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        model: ModelConfig,
+        reference: torch.nn.Module,
+        batches: list[dict[str, Tensor]],
+        comm: PipeComm,
+        rank: int,
+        micro_batch_size: int,
+    ) -> None:
+        offsets = layer_offsets(split_layers(model.num_layers, schedule.num_stages))
+        self.chunks = build_chunks(model, schedule.placement, rank)
+        for stage, chunk in zip(schedule.placement.stages_of(rank), self.chunks):
+            copy_from_reference(reference, chunk, offsets[stage])
+        device = next(self.chunks[0].parameters()).device
+        self.batches = [{key: value.to(device) for key, value in batch.items()} for batch in batches]
+        self.schedule = schedule
+        shape = (model.seq_length, micro_batch_size, model.hidden_size)
+        self.runtime = PipelineRuntime(self.chunks, comm, shape, model.torch_dtype)
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad(set_to_none=True)
+
+    def grad_square_sum(self) -> float:
+        return sum(
+            float(param.grad.detach().double().pow(2).sum())
+            for chunk in self.chunks
+            for param in chunk.parameters()
+            if param.grad is not None
+        )
+
+    def step(self, measure: bool = True) -> tuple[float | None, int]:
+        """One step; returns (mean microbatch loss on the loss rank else None, activation peak).
+        The runtime always counts activations, so ``measure`` changes nothing here."""
+        iterators = [iter(self.batches) for _ in self.chunks]
+        result = self.runtime.step(self.schedule, forward_step, iterators)
+        loss = None
+        if result.is_loss_rank:
+            loss = sum(microbatch_loss(item["lm loss"]) for item in result.losses) / len(result.losses)
+        return loss, result.peak_activation_bytes

@@ -1,0 +1,109 @@
+"""``megatron-pp-ext bench``: time our schedules against torch.distributed.pipelining's.
+
+p processes (gloo on CPU with one thread each, NCCL on GPUs), one tiny megatron-core GPT with the
+same weights and data for every run; per schedule the median step time (forward and backward
+over m microbatches), the ratio ours/torch where torch has the same schedule, and the peak
+activation bytes per rank. A benchmark, not a test: it prints numbers, it asserts nothing but
+that ours and torch's agree on the first iteration's loss (printed as a check line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+from ..bench.plan import MODEL_SIZES, BenchSettings, known_names, plan_row
+from .errors import UsageError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="time our pipeline schedules against torch.distributed.pipelining's",
+        description="Time one training step of each schedule (ours and torch's counterpart) on p processes.",
+    )
+    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes), default 2")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step, default 8")
+    parser.add_argument("--iterations", type=int, default=20, help="timed steps per schedule, default 20")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, default 3")
+    parser.add_argument("--schedules", default="all", help="comma list of schedule names, or 'all'")
+    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny", help="default tiny")
+    parser.add_argument("--seed", type=int, default=1234, help="weights and data seed")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck transfer fails")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--save", help="also write the JSON results to this file")
+    parser.set_defaults(run=run)
+
+
+def selected(text: str) -> list[str]:
+    names = known_names()
+    if text.strip() == "all":
+        return names
+    chosen = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in chosen if name not in names]
+    if not chosen or unknown:
+        raise UsageError(
+            "--schedules", f"unknown schedule(s) {unknown or text!r}; choose from: {', '.join(names)}"
+        )
+    return list(dict.fromkeys(chosen))
+
+
+def check(args: argparse.Namespace) -> None:
+    for flag, value, least in (
+        ("--pp", args.pp, 2),
+        ("--microbatches", args.microbatches, 1),
+        ("--iterations", args.iterations, 1),
+        ("--warmup", args.warmup, 0),
+    ):
+        if value < least:
+            raise UsageError(flag, f"must be at least {least}, got {value}")
+    if args.timeout <= 0:
+        raise UsageError("--timeout", f"must be positive, got {args.timeout}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import launch
+    from ..bench import report
+    from ..bench.worker import worker
+
+    check(args)
+    names = selected(args.schedules)
+    num_layers = MODEL_SIZES[args.model_size]["model"]["num_layers"]
+    rows = [plan_row(name, args.pp, args.microbatches, num_layers) for name in names]
+    world = launch.launcher_world()
+    if world is not None and world[1] != args.pp:
+        raise UsageError("--pp", f"the launcher started {world[1]} processes for --pp {args.pp}")
+    handle, output = tempfile.mkstemp(prefix="megatron-pp-ext-bench-", suffix=".json")
+    os.close(handle)
+    try:
+        settings = BenchSettings(
+            pp=args.pp,
+            microbatches=args.microbatches,
+            iterations=args.iterations,
+            warmup=args.warmup,
+            model_size=args.model_size,
+            rows=rows,
+            output=output,
+            seed=args.seed,
+            timeout=args.timeout,
+            quiet=args.json,
+        )
+        launch.run(worker, args.pp, settings)
+        with open(output) as handle_in:
+            text = handle_in.read()
+    finally:
+        os.unlink(output)
+    if not text:  # another rank's process under torchrun/srun: rank 0 reports
+        return 0
+    results = json.loads(text)
+    if args.save:
+        with open(args.save, "w") as handle_out:
+            json.dump(results, handle_out, indent=1)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(report.header(results))
+        print(report.format_table(report.table_rows(results)))
+    return 0
