@@ -108,6 +108,7 @@ def _split_equals_fused(stage: int) -> dict:
                 for p in m.parameters()
             ), "B must not touch weight gradients"
             runner.weight((0, 0))
+            graph_grads = [n for n, p in chunk.named_parameters() if p.grad is not None and p.grad.grad_fn]
         grads[split] = ({n: p.grad.clone() for n, p in chunk.named_parameters()}, input_grad)
     linears = sum(
         isinstance(m, (DeferrableColumnParallelLinear, DeferrableRowParallelLinear)) for m in chunk.modules()
@@ -122,6 +123,7 @@ def _split_equals_fused(stage: int) -> dict:
         "linears": linears,
         "params": params,
         "pending": store.pending(),
+        "graph_grads": graph_grads,
     }
 
 
@@ -198,6 +200,8 @@ def test_b_then_w_equals_bw(stage: int) -> None:
     assert result["input_error"] < 1e-6
     assert result["deferred"] >= result["linears"]  # one GEMM per linear, plus uncovered params
     assert result["pending"] == []
+    # W must not record autograd: a grad with a grad_fn keeps the GEMM inputs alive.
+    assert result["graph_grads"] == []
 
 
 def test_op_memory_probe() -> None:

@@ -100,8 +100,9 @@ class WeightGradStore:
         items = self._pending.pop(key, None)
         if items is None:
             raise RuntimeError(f"W for {key}: no deferred weight gradients (did its B run as BW?)")
-        for item in items:
-            accumulate_grad(item.param, item.compute())
+        with torch.no_grad():  # gradients are values, not graph: keep no GEMM input alive
+            for item in items:
+                accumulate_grad(item.param, item.compute())
         if self.on_release is not None:
             self.on_release(key)
 
