@@ -80,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", help="a text file to train on (default: Python stdlib docstrings)")
     parser.add_argument("--metrics", help="write per-iteration metrics here as JSON lines")
     add_args(parser)
-    parser.set_defaults(run=run, pp_schedule=None)
+    parser.set_defaults(run=run, pp_schedule=None, pp_seq_slices=None)  # None: the config's
 
 
 def load_settings(args: argparse.Namespace) -> TrainSettings:
@@ -112,7 +112,7 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         options,
         schedule=args.pp_schedule or pipeline.get("schedule", "1f1b"),
         chunks=args.pp_chunks if args.pp_chunks is not None else pipeline.get("chunks"),
-        slices=args.pp_seq_slices if args.pp_seq_slices != 1 else pipeline.get("slices", 1),
+        slices=args.pp_seq_slices if args.pp_seq_slices is not None else pipeline.get("slices", 1),
         slice_partition=args.pp_slice_partition or pipeline.get("slice_partition"),
     )
     unknown = set(training) - {f.name for f in dataclasses.fields(TrainSettings)}

@@ -66,7 +66,7 @@ class PipelineOptions:
         return cls(
             schedule=getattr(args, "pp_schedule", "1f1b"),
             chunks=getattr(args, "pp_chunks", None),
-            slices=getattr(args, "pp_seq_slices", 1),
+            slices=1 if getattr(args, "pp_seq_slices", None) is None else args.pp_seq_slices,
             slice_partition=getattr(args, "pp_slice_partition", None),
             memory_limit=getattr(args, "pp_memory_limit", None),
             costs=costs if isinstance(costs, Costs) else parse_costs(costs or "1,1,1"),
