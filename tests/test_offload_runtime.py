@@ -256,14 +256,55 @@ def offload_worker(rank: int, world: int) -> dict:
         report[case_key(case)] = entry
     if rank == 0:
         report["probes"] = {stages: stage_probes(_model(1), stages) for stages in (PP, 2 * PP)}
+    report["hook"] = hook_step(rank, world, *references[1])
     return report
+
+
+# k = 10 / (3(6h + s)) * B_c / B_o = 2 for the tiny model (h = 32, s = 16): auto offloads half
+AUTO_THROUGHPUTS = {"compute_throughput": 124.8e9, "host_bandwidth": 1e9}
+
+
+def hook_step(rank: int, world: int, batches, reference, ref_grads, ref_losses) -> dict:
+    """A Megatron-LM-style training step through the hook with ``--pp-offload auto``."""
+    from megatron.core import pipeline_parallel
+
+    from megatron_pp_ext.megatron import hook
+    from megatron_pp_ext.megatron.model import build_chunks, copy_from_reference, layer_offsets, split_layers
+
+    model_cfg = _model(1)
+    installed = hook.install(schedule="interleaved-1f1b", offload="auto", p2p_timeout=60, **AUTO_THROUGHPUTS)
+    schedule = installed.schedule(world, MICROBATCHES)
+    offsets = layer_offsets(split_layers(model_cfg.num_layers, schedule.num_stages))
+    model = build_chunks(model_cfg, schedule.placement, rank)
+    for stage, chunk in zip(schedule.placement.stages_of(rank), model):
+        copy_from_reference(reference, chunk, offsets[stage])
+    losses = pipeline_parallel.get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(batches) for _ in model],
+        model=model,
+        num_microbatches=MICROBATCHES,
+        seq_length=model_cfg.seq_length,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=False,
+    )
+    result = installed.last_result
+    hook.uninstall()
+    grads = [p.grad for chunk in model for p in chunk.parameters()]
+    return {
+        "offloads": result.op_count.get("OFFLOAD", 0),
+        "peak": result.peak_activation_bytes,
+        "loss_error": max(abs(a - b) / abs(b) for a, b in zip(loss_values(losses), ref_losses))
+        if losses
+        else None,
+        "grads": len([g for g in grads if g is not None]) == len(grads),
+    }
 
 
 def stage_probes(model_cfg, num_stages: int) -> list[tuple[int, int, int]]:
     """(F keeps, W needs after B, one OFFLOAD frees) per stage, each stage built fresh."""
     from megatron_pp_ext.megatron.model import build_stage, split_layers
     from megatron_pp_ext.runtime.memory import stage_op_memory
-    from megatron_pp_ext.runtime.offload import measure_offload
+    from megatron_pp_ext.runtime.offload_probe import measure_offload
 
     memory = stage_op_memory(model_cfg, num_stages, micro_batch_size=MICRO_BATCH)
     layers = split_layers(model_cfg.num_layers, num_stages)
@@ -329,6 +370,47 @@ def test_measured_peak_with_offload_within_15_percent_of_simulator(case: tuple) 
             f"{case_key(case)} rank {rank}: measured {got} B, simulator {want:.0f} B "
             f"({got / want - 1:+.1%}); measured {measured}, predicted {[round(p) for p in predicted]}"
         )
+
+
+@pytest.mark.slow
+def test_megatron_hook_auto_offload_takes_the_share_k_allows() -> None:
+    from megatron_pp_ext.schedule.costs import offload_ratio
+
+    assert offload_ratio(32, 16, **AUTO_THROUGHPUTS) == pytest.approx(2.0)
+    launch = _launch()
+    selective = _schedule(("interleaved-1f1b", "selective", None, 1))
+    for rank, rank_report in enumerate(launch):
+        hooked = rank_report["hook"]
+        # k = 2: the longest-lived half of each rank's units, i.e. chunk 0 of interleaved 1F1B
+        assert hooked["offloads"] == sum(1 for op in selective.ranks[rank] if op.kind == OpKind.OFFLOAD)
+        assert hooked["grads"]
+    # reloads go ceil(3k) = 6 ops ahead (to hide behind compute), so more is back at once than
+    # with selective's one op; rank 0 still holds less than without offload
+    rank0 = launch[0]
+    assert rank0["interleaved-1f1b/selective"]["peak"] <= rank0["hook"]["peak"]
+    assert rank0["hook"]["peak"] < 0.8 * rank0["interleaved-1f1b/none"]["peak"]
+    assert [r["hook"]["loss_error"] for r in launch if r["hook"]["loss_error"] is not None][0] < 1e-5
+
+
+def test_offload_flags_reach_the_hook_options() -> None:
+    import argparse
+
+    from megatron_pp_ext.megatron import hook
+
+    parser = hook.add_args(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--pp-schedule", "interleaved-1f1b", "--pp-offload", "selective", "--pp-offload-chunks", "1"]
+    )
+    options = hook.PipelineOptions.from_args(args)
+    schedule = options.schedule_for(4, 8)
+    assert schedule.meta["offload"] == "selective"
+    assert {op.stage // 4 for _, _, op in schedule.all_ops() if op.kind == OpKind.OFFLOAD} == {1}
+    auto = dataclasses.replace(options, offload="auto", offload_chunks=None).schedule_for(4, 8)
+    assert not auto.offloads  # auto settles once the model runs
+    with pytest.raises(hook.OptionError, match="--pp-offload-chunks: chunk 2 does not exist"):
+        dataclasses.replace(options, offload_chunks="2").schedule_for(4, 8)
+    with pytest.raises(hook.OptionError, match="needs --pp-offload selective"):
+        dataclasses.replace(options, offload="full").schedule_for(4, 8)
 
 
 @pytest.mark.slow

@@ -17,11 +17,10 @@ from ..schedule.costs import CostModel, UniformCosts
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule, load
 from ..schedule.offload import (
-    POLICIES,
     OffloadError,
-    OffloadPolicy,
+    add_offload_args,
     apply_offload,
-    parse_chunks,
+    policy_from_args,
     ratio_from_costs,
 )
 from ..schedule.simulate import SimResult, simulate
@@ -72,41 +71,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="SlimPipe attention redistribution: paired heavy ranks hand up to CAP (0..1) of their "
         "attention to light partners (needs --model; 0 = off)",
     )
-    add_offload_args(parser)
+    add_offload_args(parser, simulator=True)
     parser.add_argument("--plot", help="write a timeline picture (.png or .svg)")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace (.json)")
     parser.add_argument("--save", help="write the generated schedule (.json or text)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(run=run)
-
-
-def add_offload_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("activation offload (PipeOffload)")
-    group.add_argument(
-        "--pp-offload",
-        choices=POLICIES,
-        default="none",
-        help="copy activations to host memory: every unit (full), the longest-lived chunk or "
-        "--pp-offload-chunks (selective), or the share k allows (auto)",
-    )
-    group.add_argument("--pp-offload-chunks", default=None, help="chunk indices to offload, e.g. 0 or 0,1")
-    group.add_argument(
-        "--pp-host-bandwidth",
-        type=float,
-        default=None,
-        help="host link bandwidth per direction: bytes/s with --model (default 50e9), else M per "
-        "time unit (default: copies take no time)",
-    )
-    group.add_argument(
-        "--pp-compute-throughput",
-        type=float,
-        default=None,
-        help="delivered FLOP/s of one device with --model (default 400e12 x 0.5)",
-    )
-    group.add_argument("--pp-ranks-per-host", type=int, default=1, help="ranks that share one host link")
-    group.add_argument(
-        "--pp-offload-lookahead", type=int, default=1, help="compute ops between a RELOAD and its backward"
-    )
 
 
 def parse_costs(text: str) -> Costs:
@@ -191,17 +161,14 @@ def offloaded(args: argparse.Namespace, schedule: Schedule, model: CostModel) ->
     """``schedule`` with the copies ``--pp-offload`` asks for; auto takes k from the model shape
     (PipeOffload's formula) or, for unit costs, from the cost model's copy and compute times."""
     try:
-        policy = OffloadPolicy(
-            args.pp_offload, parse_chunks(args.pp_offload_chunks), lookahead=args.pp_offload_lookahead
-        )
-        if policy.mode == "auto":
+        ratio = None
+        if args.pp_offload == "auto":
             ratio = (
                 model.offload_ratio()
                 if hasattr(model, "offload_ratio")
                 else ratio_from_costs(schedule, model)
             )
-            policy = OffloadPolicy("auto", ratio=ratio, lookahead=policy.lookahead)
-        return apply_offload(schedule, policy)
+        return apply_offload(schedule, policy_from_args(args, ratio))
     except OffloadError as error:
         raise UsageError(error.flag, str(error)) from None
 

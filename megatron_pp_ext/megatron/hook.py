@@ -9,6 +9,8 @@ module that imported it by name, as Megatron-LM's ``megatron/training/training.p
 a function with Megatron's signature (forward_step_func, data_iterator, model, num_microbatches,
 seq_length, micro_batch_size, forward_only, ...) and return value (the loss dicts on the rank that
 computes the loss). Nothing inside Megatron is changed; :meth:`Installed.uninstall` undoes it.
+With ``--pp-offload`` the schedule copies activations to host memory (PipeOffload); ``auto``
+settles how many once the model runs, from k measured on the device (or the flags' throughputs).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule
 from ..schedule.models import ModelShape, megatron_shape
+from ..schedule.offload import OffloadError, OffloadPolicy, add_offload_args, apply_offload, parse_chunks
 from ..schedule.partition import PartitionError, slice_lengths
 
 
@@ -59,6 +62,11 @@ class PipelineOptions:
     memory_limit: float | None = None
     costs: Costs = field(default_factory=Costs)
     p2p_timeout: float = 300.0
+    offload: str = "none"  # none, full, selective or auto
+    offload_chunks: str | tuple[int, ...] | None = None  # "0,1" as the flag gives it, or indices
+    offload_lookahead: int = 1
+    host_bandwidth: float | None = None  # bytes/s for auto; None: measured
+    compute_throughput: float | None = None  # FLOP/s for auto; None: measured
 
     @classmethod
     def from_args(cls, args: Any) -> PipelineOptions:
@@ -71,6 +79,11 @@ class PipelineOptions:
             memory_limit=getattr(args, "pp_memory_limit", None),
             costs=costs if isinstance(costs, Costs) else parse_costs(costs or "1,1,1"),
             p2p_timeout=getattr(args, "pp_p2p_timeout", 300.0),
+            offload=getattr(args, "pp_offload", "none"),
+            offload_chunks=getattr(args, "pp_offload_chunks", None),
+            offload_lookahead=getattr(args, "pp_offload_lookahead", 1),
+            host_bandwidth=getattr(args, "pp_host_bandwidth", None),
+            compute_throughput=getattr(args, "pp_compute_throughput", None),
         )
 
     def schedule_for(
@@ -92,7 +105,24 @@ class PipelineOptions:
             raise OptionError(str(error), flags.get(error.flag, error.flag)) from None
         if self.slice_partition:
             schedule.meta["partition"] = self.slice_partition
-        return schedule
+        if self.offload == "auto":
+            self.offload_policy()  # checks the flags; k is known once the model runs
+            return schedule
+        return self.with_offload(schedule)
+
+    def offload_policy(self, ratio: float | None = None) -> OffloadPolicy:
+        try:
+            chunks = parse_chunks(self.offload_chunks)
+            return OffloadPolicy(self.offload, chunks, ratio, self.offload_lookahead)
+        except OffloadError as error:
+            raise OptionError(str(error), error.flag) from None
+
+    def with_offload(self, schedule: Schedule, ratio: float | None = None) -> Schedule:
+        """``schedule`` with the activation copies ``--pp-offload`` asks for (auto needs k)."""
+        try:
+            return apply_offload(schedule, self.offload_policy(ratio))
+        except OffloadError as error:
+            raise OptionError(str(error), error.flag) from None
 
     def slice_lengths(
         self, schedule: Schedule, seq_length: int, shape: ModelShape, flags: dict[str, str] = MEGATRON_FLAGS
@@ -152,6 +182,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=300.0,
         help="seconds a rank waits for a peer before failing with the op and peer named",
     )
+    add_offload_args(parser)
     return parser
 
 
@@ -164,6 +195,7 @@ class Installed:
         self.options = options
         self._runtimes: dict[tuple[int, ...], Any] = {}
         self._schedules: dict[tuple[int, int], Schedule] = {}
+        self._auto_offload: dict[tuple[int, int, int], Schedule] = {}
         self._patched: list[tuple[Any, str, Any]] = []
         self.last_result: Any = None  # the runtime's StepResult of the last call
         self.last_wait_seconds = 0.0  # time the last call spent blocked on peers
@@ -179,6 +211,8 @@ class Installed:
         models = kwargs["model"] if isinstance(kwargs["model"], (list, tuple)) else [kwargs["model"]]
         runtime = self._runtime(models)
         schedule = self.schedule(runtime.comm.size, kwargs["num_microbatches"])
+        if self.options.offload == "auto":
+            schedule = self.auto_offload(schedule, runtime, kwargs["seq_length"])
         waited = runtime.comm.wait_seconds
         losses = forward_backward(runtime, schedule, **kwargs)
         self.last_result = runtime.last_result
@@ -192,6 +226,24 @@ class Installed:
         if key not in self._schedules:
             self._schedules[key] = self.options.schedule_for(pp, num_microbatches)
         return self._schedules[key]
+
+    def auto_offload(self, schedule: Schedule, runtime: Any, seq_length: int) -> Schedule:
+        """``--pp-offload auto``: k from the model width, the sequence length and this device's
+        throughputs (measured once, unless the flags give them)."""
+        key = (schedule.pp, schedule.microbatches, seq_length)
+        if key not in self._auto_offload:
+            from ..runtime.offload_probe import offload_ratio_on
+
+            ratio = offload_ratio_on(
+                runtime.device,
+                runtime.config.hidden_size,
+                seq_length,
+                runtime.dtype,
+                self.options.compute_throughput,
+                self.options.host_bandwidth,
+            )
+            self._auto_offload[key] = self.options.with_offload(schedule, ratio)
+        return self._auto_offload[key]
 
     def _runtime(self, models: list[Any]) -> Any:
         key = tuple(id(model) for model in models)

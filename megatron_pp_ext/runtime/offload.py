@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -438,34 +438,3 @@ def _unpack(saved: _Saved) -> Tensor:
         return saved.tensor
     assert saved.meta is not None
     return saved.stored.view(saved.key, saved.meta)
-
-
-def measure_offload(
-    chunk: torch.nn.Module,
-    run_forward: Callable[[torch.nn.Module], Tensor],
-    input_tensor: Tensor | None = None,
-    min_bytes: int = DEFAULT_MIN_BYTES,
-) -> int:
-    """Bytes one OFFLOAD of a unit of ``chunk`` frees on the device, to calibrate the
-    simulator's ``offload_bytes`` (the rest of what the F keeps stays: small tensors and the
-    like). ``run_forward`` and ``input_tensor`` as for ``memory.measure_op_memory``."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    device = next(chunk.parameters()).device
-    meter = ActivationMeter()
-    meter.exclude(chunk.parameters())
-    engine = OffloadEngine(device, min_bytes)
-    unit = (0, 0, 0)
-    engine.begin(meter, [Op(OpKind.OFFLOAD, *unit)], list(chunk.parameters()))
-    stage_input = None if input_tensor is None else input_tensor.detach().requires_grad_(True)
-    get_attr_wrapped_model(chunk, "set_input_tensor")(stage_input)
-    with engine.saving(unit, stage_input) as handle:
-        output = run_forward(chunk)
-    before = meter.live
-    engine.offload(unit)
-    freed = before - meter.live
-    engine.reload(unit)
-    del output
-    handle.release()
-    engine.finish()
-    return freed

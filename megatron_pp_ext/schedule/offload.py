@@ -18,9 +18,11 @@ with ``lowering.insert_offload``.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from .costs import CostModel, offload_fraction
 from .ir import BACKWARD_KINDS, Op, OpKind, Schedule
@@ -76,6 +78,50 @@ def parse_chunks(text: str | Iterable[int] | None) -> tuple[int, ...] | None:
     if min(chunks) < 0:
         raise OffloadError(f"chunk indices start at 0, got {text!r}", "--pp-offload-chunks")
     return chunks
+
+
+def add_offload_args(parser: argparse.ArgumentParser, simulator: bool = False) -> None:
+    """``--pp-offload`` and its knobs, for ``simulate`` and for Megatron's command line (the hook
+    and ``train``); the simulator also takes ``--pp-ranks-per-host``."""
+    group = parser.add_argument_group("activation offload to host memory (PipeOffload)")
+    group.add_argument(
+        "--pp-offload",
+        choices=POLICIES,
+        default="none",
+        help="copy activations to host memory: every unit (full), the longest-lived chunk or "
+        "--pp-offload-chunks (selective), or the share that k allows (auto)",
+    )
+    group.add_argument("--pp-offload-chunks", default=None, help="chunk indices to offload, e.g. 0 or 0,1")
+    bandwidth = "bytes/s with --model (default 50e9), else M per time unit (default: no time)"
+    group.add_argument(
+        "--pp-host-bandwidth",
+        type=float,
+        default=None,
+        help="host link bandwidth per direction for auto: "
+        + (bandwidth if simulator else "bytes/s (default: measured on the device)"),
+    )
+    group.add_argument(
+        "--pp-compute-throughput",
+        type=float,
+        default=None,
+        help="delivered FLOP/s of one device for auto"
+        + (" with --model (default 400e12 x 0.5)" if simulator else " (default: measured on the device)"),
+    )
+    group.add_argument(
+        "--pp-offload-lookahead", type=int, default=1, help="compute ops between a RELOAD and its backward"
+    )
+    if simulator:
+        group.add_argument("--pp-ranks-per-host", type=int, default=1, help="ranks that share one host link")
+
+
+def policy_from_args(args: Any, ratio: float | None = None) -> OffloadPolicy:
+    """The policy the flags of :func:`add_offload_args` ask for, with k for auto."""
+    return OffloadPolicy(
+        getattr(args, "pp_offload", "none"),
+        parse_chunks(getattr(args, "pp_offload_chunks", None)),
+        ratio=ratio,
+        lookahead=getattr(args, "pp_offload_lookahead", 1),
+    )
 
 
 def lifespans(schedule: Schedule) -> dict[Unit, int]:
