@@ -39,9 +39,11 @@ def _timed(device: torch.device, work: Callable[[], object], repeats: int) -> fl
     return start.elapsed_time(end) / 1e3 / repeats
 
 
-def measure_host_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 5) -> float:
-    """Bytes/s of one copy between ``device`` and host memory (pinned on an accelerator), the
-    slower of the two directions (default size: 256 MiB on an accelerator, 16 MiB on CPU)."""
+def measure_copy_bandwidths(
+    device: torch.device | str, nbytes: int | None = None, repeats: int = 5
+) -> tuple[float, float]:
+    """(device-to-host, host-to-device) bytes/s of one copy between ``device`` and host memory,
+    pinned on an accelerator (default size: 256 MiB on an accelerator, 16 MiB on CPU)."""
     device = torch.device(device)
     accelerated = device.type != "cpu"
     size = nbytes or (256 if accelerated else 16) * 2**20
@@ -49,7 +51,12 @@ def measure_host_bandwidth(device: torch.device | str, nbytes: int | None = None
     on_device = torch.ones(size, dtype=torch.uint8, device=device)
     out = _timed(device, lambda: host.copy_(on_device, non_blocking=accelerated), repeats)
     back = _timed(device, lambda: on_device.copy_(host, non_blocking=accelerated), repeats)
-    return size / max(out, back)
+    return size / out, size / back
+
+
+def measure_host_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes/s of the slower copy direction between ``device`` and host memory."""
+    return min(measure_copy_bandwidths(device, nbytes, repeats))
 
 
 def measure_compute_throughput(
