@@ -64,8 +64,9 @@ class OffloadStats:
 
 
 class HostPool:
-    """Host buffers (bytes) by size, reused across steps. Each free buffer carries the event of
-    its last copy on an accelerator: the next copy into it waits for that event."""
+    """Host buffers (bytes) by size, reused across steps: the pool keeps as many buffers of a
+    size as were ever in use at once. Each free buffer carries the event of its last copy on an
+    accelerator: the next copy into it waits for that event."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
@@ -236,6 +237,7 @@ class OffloadEngine:
         self.pool = HostPool(pin=self.accelerated)
         self.meter = ActivationMeter()
         self.stats = OffloadStats()
+        self._allocations_before = 0  # pool allocations when the step began
         self._module: Any = torch.get_device_module(self.device) if self.accelerated else None
         self._streams: tuple[Any, Any] | None = None
         self._params: set[int] = set()

@@ -25,18 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .costs import CostModel, offload_fraction
+from .generators.request import RequestError
 from .ir import BACKWARD_KINDS, Op, OpKind, Schedule
 from .lowering import Unit, insert_offload
 
 POLICIES = ("none", "full", "selective", "auto")
 
 
-class OffloadError(ValueError):
+class OffloadError(RequestError):
     """An offload request that cannot work; ``flag`` names the option to change."""
-
-    def __init__(self, message: str, flag: str) -> None:
-        super().__init__(message)
-        self.flag = flag
 
 
 @dataclass(frozen=True)
