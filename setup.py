@@ -5,7 +5,9 @@ from setuptools import find_packages, setup
 setup(
     name="megatron-pp-ext",
     version="0.1.0",
-    description="Pipeline-parallel schedules (ZB, V-shape, DualPipeV, Seq1F1B, SlimPipe, offload) for Megatron-core",
+    description=(
+        "Pipeline-parallel schedules (ZB, V-shape, DualPipeV, Seq1F1B, SlimPipe, offload) for Megatron-core"
+    ),
     packages=find_packages(include=["megatron_pp_ext", "megatron_pp_ext.*"]),
     package_data={"megatron_pp_ext": ["data/*.txt"]},
     python_requires=">=3.10",

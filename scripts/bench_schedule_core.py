@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How long generating, validating and simulating a big schedule takes (a benchmark, not a test).
 
-    python scripts/bench_schedule_core.py --pp 8 --microbatches 64 --vpp 2 --slices 8
+python scripts/bench_schedule_core.py --pp 8 --microbatches 64 --vpp 2 --slices 8
 """
 
 from __future__ import annotations

@@ -75,9 +75,7 @@ register(
     )
 )
 register(
-    GeneratorSpec(
-        "seq1f1b", seq1f1b, "Seq1F1B: 1F1B over sequence slices", default_partition="balanced"
-    )
+    GeneratorSpec("seq1f1b", seq1f1b, "Seq1F1B: 1F1B over sequence slices", default_partition="balanced")
 )
 register(
     GeneratorSpec(

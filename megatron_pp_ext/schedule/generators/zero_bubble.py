@@ -76,10 +76,7 @@ class Greedy:
         return None
 
     def _room_for_forward(self, view: RankView) -> bool:
-        return (
-            view.in_flight + 1 <= self.max_in_flight
-            and view.memory + 1 <= self.max_memory + 1e-9
-        )
+        return view.in_flight + 1 <= self.max_in_flight and view.memory + 1 <= self.max_memory + 1e-9
 
 
 def _placement(request: ScheduleRequest) -> Placement:
