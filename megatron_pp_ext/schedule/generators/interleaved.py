@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..ir import Op, OpKind, Placement, Schedule
+from .one_f_one_b import forwards_before_backwards
 from .request import ScheduleRequest
 
 ChunkUnit = tuple[int, int, int]  # (chunk, microbatch, slice)
@@ -49,19 +50,14 @@ def interleaved_schedule(
     forwards = interleaved_order(padded, chunks, slices, group, backward=False)
     backwards = interleaved_order(padded, chunks, slices, group, backward=True)
     total = len(forwards)
-    position = {unit: index for index, unit in enumerate(forwards)}
-    ranks: list[list[Op]] = []
-    for rank in range(pp):
-        ops: list[Op] = []
-        done = 0
-        for index, (chunk, mb, j) in enumerate(backwards):
-            needed = min(total, max(warmup(rank) + index + 1, position[(chunk, mb, j)] + 1))
-            while done < needed:
-                f_chunk, f_mb, f_j = forwards[done]
-                ops.append(Op(OpKind.F, f_chunk * pp + rank, f_mb, f_j))
-                done += 1
-            ops.append(Op(OpKind.BW, chunk * pp + rank, mb, j))
-        ranks.append([op for op in ops if op.microbatch < request.microbatches])
+    ranks = [
+        [
+            Op(OpKind.F if is_forward else OpKind.BW, chunk * pp + rank, mb, j)
+            for is_forward, (chunk, mb, j) in forwards_before_backwards(forwards, backwards, warmup(rank))
+            if mb < request.microbatches
+        ]
+        for rank in range(pp)
+    ]
     return Schedule(
         name=request.name or name,
         pp=pp,

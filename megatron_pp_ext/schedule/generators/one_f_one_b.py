@@ -7,35 +7,47 @@ microbatch by microbatch with slices last-first. k=1 is the classic schedule.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 from ..ir import Op, OpKind, Placement, Schedule, backward_units, units
 from .request import ScheduleRequest
+
+Unit = TypeVar("Unit", bound=Hashable)
+
+
+def forwards_before_backwards(
+    forwards: Sequence[Unit], backwards: Sequence[Unit], warmup: int
+) -> list[tuple[bool, Unit]]:
+    """The 1F1B pattern over any units: ``warmup`` forwards, then one forward before every
+    backward while forwards remain, then the remaining backwards; (is_forward, unit) in order.
+    A backward never comes before its own forward: when a unit is not forwarded yet, the
+    forwards it needs go first (this is the extra warm-up that slicing needs)."""
+    position = {unit: index for index, unit in enumerate(forwards)}
+    total = len(forwards)
+    order: list[tuple[bool, Unit]] = []
+    done = 0
+    for index, unit in enumerate(backwards):
+        needed = min(total, max(warmup + index + 1, position[unit] + 1))
+        order.extend((True, forward) for forward in forwards[done:needed])
+        done = max(done, needed)
+        order.append((False, unit))
+    return order
 
 
 def one_f_one_b_order(
     pp: int, microbatches: int, slices: int, warmup: Callable[[int], int], backward: OpKind = OpKind.BW
 ) -> list[list[Op]]:
-    """Per rank: ``warmup(rank)`` forwards, then one forward before every backward while forwards
-    remain, then the remaining backwards. A backward never comes before its own forward: when a
-    microbatch's last slice is not forwarded yet, the forwards it needs go first (this is the
-    extra warm-up that slicing needs)."""
+    """Per rank, :func:`forwards_before_backwards` over (microbatch, slice) units."""
     forwards = units(microbatches, slices)
-    total = len(forwards)
-    position = {unit: index for index, unit in enumerate(forwards)}
-    ranks: list[list[Op]] = []
-    for rank in range(pp):
-        ops: list[Op] = []
-        done = 0
-        for index, (mb, j) in enumerate(backward_units(microbatches, slices)):
-            needed = min(total, max(warmup(rank) + index + 1, position[(mb, j)] + 1))
-            while done < needed:
-                f_mb, f_j = forwards[done]
-                ops.append(Op(OpKind.F, rank, f_mb, f_j))
-                done += 1
-            ops.append(Op(backward, rank, mb, j))
-        ranks.append(ops)
-    return ranks
+    backwards = backward_units(microbatches, slices)
+    return [
+        [
+            Op(OpKind.F if is_forward else backward, rank, mb, j)
+            for is_forward, (mb, j) in forwards_before_backwards(forwards, backwards, warmup(rank))
+        ]
+        for rank in range(pp)
+    ]
 
 
 def one_f_one_b_schedule(request: ScheduleRequest, name: str, warmup: Callable[[int], int]) -> Schedule:
