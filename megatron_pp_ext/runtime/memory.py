@@ -186,6 +186,17 @@ def measure_op_memory(
     return OpMemory(forward=forward, after_backward=after_backward, after_weight=after_weight)
 
 
+def _probe_batch(
+    model: Any, micro_batch_size: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Random tokens, labels and positions of one microbatch, for the probes below."""
+    shape = (micro_batch_size, model.seq_length)
+    tokens = torch.randint(0, model.vocab_size, shape, generator=generator)
+    labels = torch.randint(0, model.vocab_size, shape, generator=generator)
+    positions = torch.arange(model.seq_length).unsqueeze(0).expand(micro_batch_size, -1)
+    return tokens, labels, positions
+
+
 def stage_op_memory(
     model: Any,
     num_stages: int,
@@ -200,10 +211,7 @@ def stage_op_memory(
 
     layers = split_layers(model.num_layers, num_stages, layers_per_stage)
     generator = torch.Generator().manual_seed(seed)
-    shape = (micro_batch_size, model.seq_length)
-    tokens = torch.randint(0, model.vocab_size, shape, generator=generator)
-    labels = torch.randint(0, model.vocab_size, shape, generator=generator)
-    positions = torch.arange(model.seq_length).unsqueeze(0).expand(micro_batch_size, -1)
+    tokens, labels, positions = _probe_batch(model, micro_batch_size, generator)
     results = []
     for stage in range(num_stages):
         chunk = build_stage(model, stage, layers)
@@ -302,10 +310,7 @@ def stage_slice_memory(
 
     layers = split_layers(model.num_layers, num_stages, layers_per_stage)
     generator = torch.Generator().manual_seed(seed)
-    shape = (micro_batch_size, model.seq_length)
-    tokens = torch.randint(0, model.vocab_size, shape, generator=generator)
-    labels = torch.randint(0, model.vocab_size, shape, generator=generator)
-    positions = torch.arange(model.seq_length).unsqueeze(0).expand(micro_batch_size, -1)
+    tokens, labels, positions = _probe_batch(model, micro_batch_size, generator)
     starts = [sum(lengths[:j]) for j in range(len(lengths) + 1)]
     results = []
     for stage in range(num_stages):
