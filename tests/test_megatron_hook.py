@@ -80,15 +80,7 @@ def test_install_with_megatron_args_fails_early_naming_the_flag() -> None:
 def megatron_step_worker(rank: int, world: int, schedule_name: str, microbatches: int) -> dict:
     from megatron.core import pipeline_parallel
 
-    from megatron_pp_ext.megatron.model import (
-        build_chunks,
-        build_reference,
-        copy_from_reference,
-        init_parallel_state,
-        layer_offsets,
-        reference_name,
-        split_layers,
-    )
+    from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
     from megatron_pp_ext.runtime import reference_step
 
     training = _training_module()  # imported get_forward_backward_func before the hook
@@ -102,14 +94,7 @@ def megatron_step_worker(rank: int, world: int, schedule_name: str, microbatches
     ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
 
     schedule = installed.schedule(world, microbatches)
-    layers = split_layers(model_cfg.num_layers, schedule.num_stages)
-    offsets = layer_offsets(layers)
-    stages = schedule.placement.stages_of(rank)
-    model = build_chunks(model_cfg, schedule.placement, rank)
-    names = {}
-    for stage, chunk in zip(stages, model):
-        copy_from_reference(reference, chunk, offsets[stage])
-        names.update({id(p): reference_name(n, offsets[stage]) for n, p in chunk.named_parameters()})
+    model, names = build_chunks_from(reference, model_cfg, schedule.placement, rank)
 
     # Exactly Megatron-LM's train_step call.
     forward_backward_func = training.get_forward_backward_func()

@@ -210,14 +210,7 @@ def _reference(model_cfg, batches):
 
 
 def offload_worker(rank: int, world: int) -> dict:
-    from megatron_pp_ext.megatron.model import (
-        build_stage,
-        copy_from_reference,
-        init_parallel_state,
-        layer_offsets,
-        reference_name,
-        split_layers,
-    )
+    from megatron_pp_ext.megatron.model import build_chunks_from, init_parallel_state
     from megatron_pp_ext.runtime import PipeComm, PipelineRuntime
 
     init_parallel_state(world)
@@ -232,14 +225,7 @@ def offload_worker(rank: int, world: int) -> dict:
             references[slices] = (batches, *_reference(model_cfg, batches))
         batches, reference, ref_grads, ref_losses = references[slices]
         schedule = _schedule(case)
-        layers = split_layers(model_cfg.num_layers, schedule.num_stages)
-        offsets = layer_offsets(layers)
-        stages = schedule.placement.stages_of(rank)
-        chunks = [build_stage(model_cfg, s, layers, sliced=slices > 1) for s in stages]
-        names = {}
-        for stage, chunk in zip(stages, chunks):
-            copy_from_reference(reference, chunk, offsets[stage])
-            names.update({id(p): reference_name(n, offsets[stage]) for n, p in chunk.named_parameters()})
+        chunks, names = build_chunks_from(reference, model_cfg, schedule.placement, rank, sliced=slices > 1)
         shape = (model_cfg.seq_length, MICRO_BATCH, model_cfg.hidden_size)
         runtime = PipelineRuntime(chunks, comm, shape, model_cfg.torch_dtype)
         result = runtime.step(schedule, forward_step, [iter(batches) for _ in chunks])
@@ -269,15 +255,12 @@ def hook_step(rank: int, world: int, batches, reference, ref_grads, ref_losses) 
     from megatron.core import pipeline_parallel
 
     from megatron_pp_ext.megatron import hook
-    from megatron_pp_ext.megatron.model import build_chunks, copy_from_reference, layer_offsets, split_layers
+    from megatron_pp_ext.megatron.model import build_chunks_from
 
     model_cfg = _model(1)
     installed = hook.install(schedule="interleaved-1f1b", offload="auto", p2p_timeout=60, **AUTO_THROUGHPUTS)
     schedule = installed.schedule(world, MICROBATCHES)
-    offsets = layer_offsets(split_layers(model_cfg.num_layers, schedule.num_stages))
-    model = build_chunks(model_cfg, schedule.placement, rank)
-    for stage, chunk in zip(schedule.placement.stages_of(rank), model):
-        copy_from_reference(reference, chunk, offsets[stage])
+    model, _ = build_chunks_from(reference, model_cfg, schedule.placement, rank)
     losses = pipeline_parallel.get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=[iter(batches) for _ in model],

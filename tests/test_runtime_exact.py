@@ -115,14 +115,7 @@ def _reference(model_cfg, batches, microbatches: int):
 
 
 def exactness_worker(rank: int, world: int, microbatches: int, names: list[str], dtype: str) -> dict:
-    from megatron_pp_ext.megatron.model import (
-        build_stage,
-        copy_from_reference,
-        init_parallel_state,
-        layer_offsets,
-        reference_name,
-        split_layers,
-    )
+    from megatron_pp_ext.megatron.model import build_chunks_from, init_parallel_state, split_layers
     from megatron_pp_ext.runtime.executor import PipelineRuntime
     from megatron_pp_ext.runtime.p2p import PipeComm
 
@@ -145,19 +138,8 @@ def exactness_worker(rank: int, world: int, microbatches: int, names: list[str],
         with torch.no_grad():
             for n, p in reference.named_parameters():
                 p.copy_(initial[n])
+        chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, rank)
         layers = split_layers(model_cfg.num_layers, schedule.num_stages)
-        offsets = layer_offsets(layers)
-        stages = schedule.placement.stages_of(rank)
-        chunks = []
-        for stage in stages:
-            chunk = build_stage(model_cfg, stage, layers)
-            copy_from_reference(reference, chunk, offsets[stage])
-            chunks.append(chunk)
-        names_of = {
-            id(p): reference_name(n, offsets[stage])
-            for stage, c in zip(stages, chunks)
-            for n, p in c.named_parameters()
-        }
         params = [p for c in chunks for p in c.parameters()]
         runtime = PipelineRuntime(
             chunks, comm, (model_cfg.seq_length, 2, model_cfg.hidden_size), model_cfg.torch_dtype

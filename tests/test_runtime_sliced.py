@@ -75,14 +75,7 @@ def _reference(model_cfg, batches, microbatches: int):
 
 
 def sliced_worker(rank: int, world: int) -> dict:
-    from megatron_pp_ext.megatron.model import (
-        build_stage,
-        copy_from_reference,
-        init_parallel_state,
-        layer_offsets,
-        reference_name,
-        split_layers,
-    )
+    from megatron_pp_ext.megatron.model import build_chunks_from, init_parallel_state
     from megatron_pp_ext.runtime import PipeComm, PipelineRuntime
     from megatron_pp_ext.schedule.generators import generate
 
@@ -100,14 +93,7 @@ def sliced_worker(rank: int, world: int) -> dict:
         try:
             schedule = generate(name, world, microbatches, slices=slices)
             schedule.meta["partition"] = partition
-            layers = split_layers(model_cfg.num_layers, schedule.num_stages)
-            offsets = layer_offsets(layers)
-            stages = schedule.placement.stages_of(rank)
-            chunks = [build_stage(model_cfg, s, layers, sliced=True) for s in stages]
-            names = {}
-            for stage, chunk in zip(stages, chunks):
-                copy_from_reference(reference, chunk, offsets[stage])
-                names.update({id(p): reference_name(n, offsets[stage]) for n, p in chunk.named_parameters()})
+            chunks, names = build_chunks_from(reference, model_cfg, schedule.placement, rank, sliced=True)
             runtime = PipelineRuntime(
                 chunks, comm, (SEQ, MICRO_BATCH, model_cfg.hidden_size), model_cfg.torch_dtype
             )
@@ -160,25 +146,13 @@ def hook_step(rank, world, reference, ref_grads, ref_losses, batches, model_cfg)
     from megatron.core import pipeline_parallel
 
     from megatron_pp_ext.megatron import hook
-    from megatron_pp_ext.megatron.model import (
-        build_chunks,
-        copy_from_reference,
-        layer_offsets,
-        reference_name,
-        split_layers,
-    )
+    from megatron_pp_ext.megatron.model import build_chunks_from
 
     installed = hook.install(schedule="slimpipe", slices=4, slice_partition="balanced", p2p_timeout=60)
     try:
         microbatches = len(batches)
         schedule = installed.schedule(world, microbatches)
-        layers = split_layers(model_cfg.num_layers, schedule.num_stages)
-        offsets = layer_offsets(layers)
-        model = build_chunks(model_cfg, schedule.placement, rank, sliced=True)
-        names = {}
-        for stage, chunk in zip(schedule.placement.stages_of(rank), model):
-            copy_from_reference(reference, chunk, offsets[stage])
-            names.update({id(p): reference_name(n, offsets[stage]) for n, p in chunk.named_parameters()})
+        model, names = build_chunks_from(reference, model_cfg, schedule.placement, rank, sliced=True)
         losses = pipeline_parallel.get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=[iter(batches) for _ in model],

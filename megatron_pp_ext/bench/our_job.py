@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..commands.train import forward_step
-from ..megatron.model import ModelConfig, build_chunks, copy_from_reference, layer_offsets, split_layers
+from ..megatron.model import ModelConfig, build_chunks_from
 from ..runtime import PipeComm, PipelineRuntime
 from ..schedule.ir import Schedule
 
@@ -31,10 +31,7 @@ class OurJob:
         rank: int,
         micro_batch_size: int,
     ) -> None:
-        offsets = layer_offsets(split_layers(model.num_layers, schedule.num_stages))
-        self.chunks = build_chunks(model, schedule.placement, rank)
-        for stage, chunk in zip(schedule.placement.stages_of(rank), self.chunks):
-            copy_from_reference(reference, chunk, offsets[stage])
+        self.chunks, _ = build_chunks_from(reference, model, schedule.placement, rank)
         device = next(self.chunks[0].parameters()).device
         self.batches = [{key: value.to(device) for key, value in batch.items()} for batch in batches]
         self.schedule = schedule

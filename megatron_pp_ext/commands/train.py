@@ -179,15 +179,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
 
     from .. import data, launch
     from ..megatron import install
-    from ..megatron.model import (
-        ModelConfig,
-        build_chunks,
-        build_reference,
-        copy_from_reference,
-        init_parallel_state,
-        layer_offsets,
-        split_layers,
-    )
+    from ..megatron.model import ModelConfig, build_chunks_from, build_reference, init_parallel_state
 
     device = launch.init_distributed(rank, world_size, local_rank, settings.timeout)
     init_parallel_state(settings.pp)
@@ -198,12 +190,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
     # Same weights whatever the schedule: every stage copies its layers from one seeded model.
     torch.manual_seed(settings.seed)
     reference = build_reference(model)
-    layers = split_layers(model.num_layers, schedule.num_stages)
-    offsets = layer_offsets(layers)
-    stages = schedule.placement.stages_of(rank)
-    chunks = build_chunks(model, schedule.placement, rank, sliced=schedule.slices > 1)
-    for stage, chunk in zip(stages, chunks):
-        copy_from_reference(reference, chunk, offsets[stage])
+    chunks, _ = build_chunks_from(reference, model, schedule.placement, rank, sliced=schedule.slices > 1)
     del reference
     optimizer, schedule_lr = build_optimizer(chunks, settings)
 

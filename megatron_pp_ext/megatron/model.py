@@ -281,6 +281,27 @@ def copy_from_reference(reference: torch.nn.Module, stage_model: torch.nn.Module
         param.copy_(source)
 
 
+def build_chunks_from(
+    reference: torch.nn.Module,
+    model: ModelConfig,
+    placement: Any,
+    rank: int,
+    layers_per_stage: list[int] | None = None,
+    use_te: bool | None = None,
+    sliced: bool = False,
+) -> tuple[list[GPTModel], dict[int, str]]:
+    """This rank's chunks (as :func:`build_chunks`) with ``reference``'s weights, and, for each
+    of their parameters (by ``id``), its name in the reference: the pipelined copy of one
+    single-process model, whatever the placement."""
+    offsets = layer_offsets(split_layers(model.num_layers, placement.num_stages, layers_per_stage))
+    chunks = build_chunks(model, placement, rank, layers_per_stage, use_te, sliced)
+    names: dict[int, str] = {}
+    for stage, chunk in zip(placement.stages_of(rank), chunks):
+        copy_from_reference(reference, chunk, offsets[stage])
+        names.update({id(p): reference_name(n, offsets[stage]) for n, p in chunk.named_parameters()})
+    return chunks, names
+
+
 def init_parallel_state(pp_size: int) -> None:
     """Megatron's parallel state for our pipelines: TP=1, PP=``pp_size``, so data parallelism
     never spans the stages of one pipeline. ``torch.distributed`` must be initialised."""
