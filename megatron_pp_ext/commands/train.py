@@ -208,6 +208,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
     step_times: list[float] = []
     bubbles: list[float] = []
     peak_activation = 0
+    offloaded: int | None = None
     for iteration in range(1, settings.iterations + 1):
         for group in optimizer.param_groups:
             group["lr"] = schedule_lr(iteration)
@@ -231,6 +232,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
         step_times.append(elapsed)
         bubbles.append(min(1.0, hook.last_wait_seconds / elapsed))
         peak_activation = max(peak_activation, result.peak_activation_bytes)
+        offloaded = result.offload.offloaded_bytes if result.offload is not None else None
         if is_loss_rank:
             total, tokens = (sum(item["lm loss"][i] for item in losses) for i in (0, 1))
             loss = float(total / tokens)
@@ -247,7 +249,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
     progress.close()
     if metrics_file:
         metrics_file.close()
-    _report(rank, settings, schedule, step_times, bubbles, peak_activation, device)
+    _report(rank, settings, schedule, step_times, bubbles, peak_activation, offloaded, device)
     hook.uninstall()
     dist.destroy_process_group()
 
@@ -330,6 +332,7 @@ def _report(
     step_times: list[float],
     bubbles: list[float],
     peak_activation: int,
+    offloaded: int | None,
     device: Any,
 ) -> None:
     import torch
@@ -341,6 +344,7 @@ def _report(
         "step_time": sum(steady) / len(steady),
         "bubble": (sum(bubbles[1:] or bubbles) / len(bubbles[1:] or bubbles)) if bubbles else None,
         "peak_activation_mib": peak_activation / 2**20,
+        "offloaded_mib": None if offloaded is None else offloaded / 2**20,
         "max_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20
         if device.type == "cuda"
         else None,
@@ -359,8 +363,11 @@ def _report(
                 if item["max_allocated_mib"] is None
                 else f"  cuda max allocated {item['max_allocated_mib']:.1f} MiB"
             )
+            moved = ""
+            if item["offloaded_mib"] is not None:
+                moved = f"  offloaded {item['offloaded_mib']:.2f} MiB/step"
             print(
                 f"  rank {item['rank']}: step {item['step_time']:.3f} s  bubble {bubble}  "
-                f"peak activation {item['peak_activation_mib']:.2f} MiB{gpu}"
+                f"peak activation {item['peak_activation_mib']:.2f} MiB{moved}{gpu}"
             )
         sys.stdout.flush()
