@@ -301,10 +301,13 @@ def stage_slice_memory(
     micro_batch_size: int = 1,
     layers_per_stage: list[int] | None = None,
     seed: int = 0,
-) -> list[list[OpMemory]]:
+    measure: Callable[..., list[Any]] | None = None,
+) -> list[list[Any]]:
     """:func:`stage_op_memory` per slice: for every virtual stage of ``model`` (a ``ModelConfig``,
     built with sliced attention), what each slice's F keeps and its W still needs after B, to
-    calibrate the simulator for a sliced schedule (``TableCosts`` keyed (stage, slice))."""
+    calibrate the simulator for a sliced schedule (``TableCosts`` keyed (stage, slice)).
+    ``measure`` (default :func:`measure_slice_memory`, same arguments) can measure something
+    else per slice, e.g. ``offload_probe.measure_slice_offload``."""
     from ..megatron.model import build_stage, split_layers
     from ..megatron.sliced import slice_context_of
 
@@ -330,5 +333,5 @@ def stage_slice_memory(
             return torch.randn(size, generator=generator).to(device=device, dtype=model.torch_dtype)
 
         context = slice_context_of(chunk)
-        results.append(measure_slice_memory(chunk, context, lengths, run_forward, make_input))
+        results.append((measure or measure_slice_memory)(chunk, context, lengths, run_forward, make_input))
     return results

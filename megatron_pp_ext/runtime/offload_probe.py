@@ -4,13 +4,15 @@
 model shape (h, s) and two throughputs, which are measured here when not configured: the
 delivered FLOP/s of a square GEMM in the training dtype, and the bandwidth of copies between
 the device and (pinned) host memory, the slower direction. :func:`measure_offload` calibrates
-the simulator: the bytes one OFFLOAD of a unit of a chunk frees.
+the simulator: the bytes one OFFLOAD of a unit of a chunk frees (:func:`measure_slice_offload`
+per slice of a sliced chunk).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -114,4 +116,47 @@ def measure_offload(
     del output
     handle.release()
     engine.finish()
+    return freed
+
+
+def measure_slice_offload(
+    chunk: torch.nn.Module,
+    context: Any,
+    lengths: Sequence[int],
+    run_forward: Callable[[torch.nn.Module, int], Tensor],
+    make_input: Callable[[int], Tensor | None],
+    min_bytes: int = DEFAULT_MIN_BYTES,
+) -> list[int]:
+    """:func:`measure_offload` for the k slices of one microbatch on a sliced chunk (arguments as
+    for ``memory.measure_slice_memory``): the bytes one OFFLOAD of each slice frees right after
+    its F. The K/V cache keeps each slice's keys and values for the later slices, so they stay on
+    the device and are not counted."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    meter = ActivationMeter()
+    meter.exclude(chunk.parameters())
+    engine = OffloadEngine(next(chunk.parameters()).device, min_bytes)
+    units = [(0, 0, j) for j in range(len(lengths))]
+    engine.begin(meter, [Op(OpKind.OFFLOAD, *unit) for unit in units], list(chunk.parameters()))
+    context.release()
+    context.set_slicing(list(lengths))
+    freed, kept = [], []
+    try:
+        for j, unit in enumerate(units):
+            stage_input = make_input(j)
+            if stage_input is not None:
+                stage_input = stage_input.detach().requires_grad_(True)
+            get_attr_wrapped_model(chunk, "set_input_tensor")(stage_input)
+            with context.running(0, j), engine.saving(unit, stage_input) as handle:
+                output = run_forward(chunk, j)
+            before = meter.live
+            engine.offload(unit)
+            freed.append(before - meter.live)
+            kept.append((output, handle))
+        for unit in units:
+            engine.reload(unit)
+    finally:
+        kept.clear()
+        context.release()
+        engine.discard()
     return freed
