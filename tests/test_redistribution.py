@@ -11,7 +11,15 @@ import pytest
 
 from megatron_pp_ext.schedule.flops import flop_costs_for
 from megatron_pp_ext.schedule.generators import generate
-from megatron_pp_ext.schedule.redistribute import attention_time, lockstep_slots, redistribute
+from megatron_pp_ext.schedule.ir import OpKind
+from megatron_pp_ext.schedule.redistribute import (
+    attention_time,
+    attention_work,
+    delegation_plan,
+    lockstep_slots,
+    plan_links,
+    redistribute,
+)
 from megatron_pp_ext.schedule.simulate import simulate
 
 # (schedule, p, m, k, model, sequence length): SlimPipe at 64K and 128K, and Seq1F1B cut
@@ -78,3 +86,69 @@ def test_simulate_flag_reports_the_bubble_with_and_without() -> None:
     assert "attention redistribution (cap 0.1): bubble 0.095 without -> 0.078 with" in done.stdout
     refused = simulate_cli(*base, "--pp-attn-redistribution", "0.1")
     assert refused.returncode == 2 and "--pp-attn-redistribution" in refused.stderr
+
+
+# ---- the delegation plan for real ranks ------------------------------------------------------
+PLAN_CASES = [("slimpipe", 2, 3, 4), ("slimpipe", 3, 4, 8), ("slimpipe", 4, 5, 8), ("seq1f1b", 4, 4, 8)]
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=[f"{c[0]}-p{c[1]}-k{c[3]}" for c in PLAN_CASES])
+@pytest.mark.parametrize("cap", [0.25, 0.5, 1.0])
+def test_plan_moves_whole_oldest_slices_from_the_heavier_op_within_the_cap(case: tuple, cap: float) -> None:
+    name, pp, m, k = case
+    schedule = generate(name, pp, m, slices=k)
+    lengths = [512 // k] * k
+    layers = [2 + stage % 2 for stage in range(schedule.num_stages)]  # uneven on purpose
+    plan = delegation_plan(schedule, lengths, cap, layers)
+    assert plan == delegation_plan(schedule, lengths, cap, layers)  # every rank gets the same
+    slots = lockstep_slots(schedule, None)
+    ranks = {op: rank for rank, ops in enumerate(schedule.ranks) for op in ops}
+    for (rank, heavy), delegation in plan.items():
+        assert ranks[heavy] == rank and heavy.kind != OpKind.W
+        assert delegation.partner != rank and ranks[delegation.light] == delegation.partner
+        assert slots[(rank, heavy)] == slots[(delegation.partner, delegation.light)]
+        assert 1 <= delegation.oldest_slices <= heavy.slice
+        heavy_work = attention_work(heavy, lengths, layers)
+        light_work = attention_work(delegation.light, lengths, layers)
+        assert heavy_work > light_work  # the heavier op is always the one that hands work away
+        assert 0 < delegation.work <= min((heavy_work - light_work) / 2, cap * heavy_work)
+        # one more slice would have gone over the budget (or there is none left)
+        per_slice = delegation.work // sum(lengths[: delegation.oldest_slices]) * lengths[0]
+        more = delegation.work + per_slice
+        assert delegation.oldest_slices == heavy.slice or more > min(
+            (heavy_work - light_work) / 2, cap * heavy_work
+        )
+    assert plan_links(plan) == sorted({(r, d.partner) for (r, _), d in plan.items()})
+
+
+def test_plan_is_empty_when_off_or_unsliced_and_refuses_a_bad_cap() -> None:
+    schedule = generate("slimpipe", 4, 5, slices=8)
+    assert delegation_plan(schedule, [16] * 8, 0.0) == {}
+    assert delegation_plan(generate("1f1b", 4, 5), [128], 0.5) == {}
+    assert delegation_plan(schedule, [16] * 8, 0.5)
+    for cap in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="--pp-attn-redistribution"):
+            delegation_plan(schedule, [16] * 8, cap)
+    with pytest.raises(ValueError, match="4 slice lengths"):
+        delegation_plan(schedule, [32] * 4, 0.5)
+
+
+def test_plan_evens_out_the_attention_of_each_slot() -> None:
+    """Work per rank per lock-step slot after the planned moves: the slowest rank of a slot
+    carries less than without them."""
+    schedule = generate("slimpipe", 4, 5, slices=8)
+    lengths = [64] * 8
+    plan = delegation_plan(schedule, lengths, 0.5)
+    slots = lockstep_slots(schedule, None)
+
+    def critical_path(moves: dict) -> int:
+        per_slot: dict[int, dict[int, int]] = {}
+        for (rank, op), slot in slots.items():
+            per_slot.setdefault(slot, {}).setdefault(rank, 0)
+            per_slot[slot][rank] += attention_work(op, lengths)
+        for (rank, op), delegation in moves.items():
+            per_slot[slots[(rank, op)]][rank] -= delegation.work
+            per_slot[slots[(rank, op)]][delegation.partner] += delegation.work
+        return sum(max(work.values()) for work in per_slot.values())
+
+    assert critical_path(plan) < 0.93 * critical_path({})

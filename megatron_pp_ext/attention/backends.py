@@ -28,6 +28,7 @@ _BACKENDS: dict[str, Backend] = {
 }
 BACKEND_NAMES = ("auto", *_BACKENDS)
 AUTO_ORDER = ("flash_attn", "torch_flash", "flex", "math")
+KERNEL_NAMES = tuple(name for name, backend in _BACKENDS.items() if hasattr(backend, "backward"))
 
 
 def is_kernel(backend: Backend) -> bool:
@@ -35,9 +36,20 @@ def is_kernel(backend: Backend) -> bool:
     return hasattr(backend, "backward")
 
 
-def _can_run(backend: Backend, q: Tensor, k: Tensor, need_lse: bool, need_grad: bool) -> bool:
+def kernel_named(name: str) -> Kernel:
+    """The kernel backend called ``name`` (one of KERNEL_NAMES)."""
+    if name not in KERNEL_NAMES:
+        raise ValueError(f"{name!r} is not an attention kernel; kernels: {', '.join(KERNEL_NAMES)}")
+    return _BACKENDS[name]  # type: ignore[return-value]
+
+
+def _can_run(
+    backend: Backend, q: Tensor, k: Tensor, need_lse: bool, need_grad: bool, kernel_only: bool = False
+) -> bool:
     if is_kernel(backend):
         return backend.supports(q, k)
+    if kernel_only:
+        return False
     if need_lse and not backend.gives_lse:
         return False
     return backend.supports(q, k, need_grad)
@@ -49,18 +61,30 @@ def available_backends(q: Tensor, k: Tensor, need_lse: bool = False, need_grad: 
 
 
 def choose_backend(
-    name: str, q: Tensor, k: Tensor, need_lse: bool = False, need_grad: bool = True
+    name: str,
+    q: Tensor,
+    k: Tensor,
+    need_lse: bool = False,
+    need_grad: bool = True,
+    kernel_only: bool = False,
 ) -> Backend:
     """The backend called ``name`` (or the first of AUTO_ORDER for "auto"); an error says why
-    a named one cannot run this call."""
+    a named one cannot run this call. ``kernel_only``: explicit kernels only, as attention
+    redistribution needs (a partner runs the kernel's backward on its block)."""
     if name == "auto":
         for candidate in AUTO_ORDER:
-            if _can_run(_BACKENDS[candidate], q, k, need_lse, need_grad):
+            if _can_run(_BACKENDS[candidate], q, k, need_lse, need_grad, kernel_only):
                 return _BACKENDS[candidate]
         raise AssertionError("the math backend runs everything")
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     backend = _BACKENDS[name]
+    if kernel_only and not is_kernel(backend):
+        raise ValueError(
+            f"attention backend {name!r} has no explicit backward kernel, which "
+            f"--pp-attn-redistribution needs; use one of {', '.join(KERNEL_NAMES)} or auto, or "
+            "set --pp-attn-redistribution 0"
+        )
     if not _can_run(backend, q, k, need_lse, need_grad):
         what = f"{q.dtype} on {q.device.type}, head dim {q.shape[-1]}"
         if need_lse and not is_kernel(backend) and not backend.gives_lse:

@@ -61,16 +61,17 @@ class LayerCache:
         self._grads.append(None)
         self._lengths.append(k.shape[2])
 
-    def prefix(self, index: int) -> tuple[Tensor, Tensor] | None:
-        """K/V of slices < ``index`` along the sequence (a new tensor when there are several)."""
-        if index == 0:
+    def prefix(self, index: int, start: int = 0) -> tuple[Tensor, Tensor] | None:
+        """K/V of slices ``start`` .. ``index - 1`` along the sequence (a new tensor when there
+        are several; None when there are none)."""
+        if index <= start:
             return None
-        kvs = self._kv[:index]
+        kvs = self._kv[start:index]
         if any(kv is None for kv in kvs):
             raise SlicingError(
                 f"{self.name}: slice {index} needs K/V of earlier slices that were already freed"
             )
-        if index == 1:
+        if len(kvs) == 1:
             return kvs[0]
         return torch.cat([kv[0] for kv in kvs], dim=2), torch.cat([kv[1] for kv in kvs], dim=2)
 
@@ -85,11 +86,11 @@ class LayerCache:
                 "a microbatch's slices must run backward in reverse order (last slice first)"
             )
 
-    def add_grads(self, index: int, dk: Tensor, dv: Tensor) -> None:
-        """Spread the gradient of the prefix K/V of slices < ``index`` over those slices."""
-        dks = dk.split(self._lengths[:index], dim=2)
-        dvs = dv.split(self._lengths[:index], dim=2)
-        for i, (dk_i, dv_i) in enumerate(zip(dks, dvs)):
+    def add_grads(self, index: int, dk: Tensor, dv: Tensor, start: int = 0) -> None:
+        """Spread the gradient of the K/V of slices ``start`` .. ``index - 1`` over those slices."""
+        dks = dk.split(self._lengths[start:index], dim=2)
+        dvs = dv.split(self._lengths[start:index], dim=2)
+        for i, (dk_i, dv_i) in enumerate(zip(dks, dvs), start):
             if self.grad_dtype is not None:
                 dk_i, dv_i = dk_i.to(self.grad_dtype), dv_i.to(self.grad_dtype)
             held = self._grads[i]

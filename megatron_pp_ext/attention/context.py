@@ -6,6 +6,12 @@ chunk then reads the current slice from here and keeps its K/V cache for microba
 Backward needs no call: each slice's graph already knows its cache. A microbatch's caches are
 freed as its slices finish backward (all of them after slice 0), after the last slice of a
 forward-only pass when the slicing is known, or by ``release(m)``.
+
+With attention redistribution (SlimPipe) the runtime also sets ``current_delegation`` around
+each F/B/BW op that hands its oldest K/V slices to a partner rank (the backward runs later under
+autograd and reads the delegation of the B op running then, not its F's), and ``delegating``
+for a step in which any op of the chunk does, so the layers pick an explicit kernel. Sliced
+attention counts the query-key pairs it computes here and those it hands away.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from .cache import LayerCache
+from .remote import RemoteKeys
 from .slicing import SlicingError, check_slicing, slice_offsets
 
 
@@ -35,6 +42,16 @@ class SliceContext:
             self.set_slicing(slice_lengths, seq_length)
         self._current: tuple[int, int] | None = None
         self._caches: dict[tuple[int, Hashable], LayerCache] = {}
+        self.current_delegation: RemoteKeys | None = None  # set by the runtime per F/B op
+        self.delegating = False  # some op of this step delegates: the layers need a kernel
+        # Query-key pairs x passes (forward 1, backward 2) x sequences, summed over layers:
+        # computed here, and handed to partners.
+        self.pairs_local = 0
+        self.pairs_remote = 0
+
+    def count_pairs(self, local: int, remote: int) -> None:
+        self.pairs_local += local
+        self.pairs_remote += remote
 
     # --- slicing -----------------------------------------------------------------------------
     def set_slicing(

@@ -98,8 +98,11 @@ class SlicedCoreAttention(torch.nn.Module):
         check_shapes(_bhsd(query), _bhsd(key), _bhsd(value))
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        backend = choose_backend(self.backend, _bhsd(query), _bhsd(key), need_grad=need_grad)
         ctx = self.slice_context
+        delegating = ctx is not None and ctx.current is not None and ctx.delegating
+        backend = choose_backend(
+            self.backend, _bhsd(query), _bhsd(key), need_grad=need_grad, kernel_only=delegating
+        )
         if ctx is None or ctx.current is None:
             out = self._unsliced(query, key, value, scale, backend)
         else:
@@ -129,7 +132,7 @@ class SlicedCoreAttention(torch.nn.Module):
                 f"{list(lengths)} gives it {lengths[index]}"
             )
         cache = ctx.layer_cache(self)
-        out = sliced_attention(query, key, value, cache, index, scale, backend)
+        out = sliced_attention(query, key, value, cache, index, scale, backend, ctx)
         if not need_grad and ctx.is_last_slice():
             cache.close()  # a forward-only pass is over for this microbatch and layer
         return out

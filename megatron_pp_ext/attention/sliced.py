@@ -16,12 +16,21 @@ earlier K/V as one non-causal block and their own as a square causal block, merg
 recompute it in the backward, so they keep nothing but q/k/v. The concatenation is a temporary
 copy; the cache itself only holds aliases.
 
+With a ``context`` (the chunk's SliceContext) whose ``current_delegation`` is set, the oldest
+slices of the prefix are attended by a partner rank (``remote.py``): forward sends the request,
+runs the local blocks meanwhile and merges the partner's (out, lse) with them; backward does
+the same with the kernel backward and hands the partner's dk/dv of the oldest slices to the
+cache. Forward and backward each read the delegation current when they run (a B may delegate
+differently from its F). Only explicit kernels can do this.
+
 Tensors are in Megatron's layout [s, b, heads, d]; kernels see [b, heads, s, d] views. The
 output is made contiguous in [s, b, heads, d], so flattening the heads is free and the saved
 output is the same memory the next layer (linear_proj) keeps.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -30,6 +39,16 @@ from torch.autograd.function import FunctionCtx
 from .backends import Backend, is_kernel
 from .blocks import KeyBlock, blocks_backward, blocks_forward
 from .cache import LayerCache
+from .merge import merge_partials
+from .remote import RemoteKeys
+
+
+class PairCounter(Protocol):
+    """Where a slice's attention learns its delegation and counts its work (a SliceContext)."""
+
+    current_delegation: RemoteKeys | None
+
+    def count_pairs(self, local: int, remote: int) -> None: ...
 
 
 def _bhsd(x: Tensor) -> Tensor:
@@ -64,6 +83,31 @@ def _split(
     return past, dk[:, :, cut:], dv[:, :, cut:]
 
 
+def _delegation(context: PairCounter | None, index: int, backend, name: str) -> RemoteKeys | None:
+    """The running op's delegation, checked against this slice and backend (None: none)."""
+    delegation = None if context is None else context.current_delegation
+    if delegation is None or delegation.oldest_slices == 0:
+        return None
+    if not is_kernel(backend):
+        raise ValueError(
+            f"{name}: --pp-attn-redistribution needs an attention kernel with an explicit backward "
+            f"(math, torch_flash, flash_attn), not {backend.name!r}; set --pp-attn-redistribution 0"
+        )
+    if delegation.oldest_slices > index:
+        raise ValueError(
+            f"{name}: slice {index} cannot hand its {delegation.oldest_slices} oldest K/V slices to a "
+            f"partner: it has only {index} earlier slices"
+        )
+    return delegation
+
+
+def _count(context: PairCounter | None, q_len: int, batch: int, local: int, remote: int, passes: int) -> None:
+    """Query-key pairs: ``local``/``remote`` earlier keys all visible, the own slice causal."""
+    if context is not None:
+        own = q_len * (q_len + 1) // 2
+        context.count_pairs(passes * batch * (q_len * local + own), passes * batch * q_len * remote)
+
+
 class _SliceAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -75,29 +119,56 @@ class _SliceAttention(torch.autograd.Function):
         index: int,
         scale: float,
         backend,
+        context: PairCounter | None,
     ):
         cache.check_forward(index)
         qb, kb, vb = _bhsd(q), _bhsd(k), _bhsd(v)
-        prefix = cache.prefix(index)
+        delegation = _delegation(context, index, backend, cache.name)
         lse = None
-        if is_kernel(backend):
+        if delegation is not None:
+            oldest = cache.prefix(delegation.oldest_slices)
+            pending = delegation.forward(qb, *oldest, scale, backend.name)
+            prefix = cache.prefix(index, start=delegation.oldest_slices)
+            blocks = _blocks(prefix, kb, vb, backend.general_causal)
+            parts = [backend.forward(qb, b.k, b.v, b.causal, scale) for b in blocks]
+            out, lse = merge_partials([*parts, pending.wait()])
+            out = out.to(q.dtype)
+            remote = oldest[0].shape[2]
+            del parts, oldest
+        elif is_kernel(backend):
+            prefix = cache.prefix(index)
             out, lse = blocks_forward(backend, qb, _blocks(prefix, kb, vb, backend.general_causal), scale)
+            remote = 0
         else:
+            prefix = cache.prefix(index)
             out = backend.attend(qb, *_with_prefix(prefix, kb, vb), scale)
+            remote = 0
+        local = 0 if prefix is None else prefix[0].shape[2]
+        _count(context, qb.shape[2], qb.shape[0], local, remote, passes=1)
         del prefix
         cache.append(kb, vb)
         out = _sbhd(out).contiguous()
         ctx.save_for_backward(q, k, v, out if lse is not None else None, lse)
-        ctx.meta = (cache, index, scale, backend)
+        ctx.meta = (cache, index, scale, backend, context)
         return out
 
     @staticmethod
     def backward(ctx: FunctionCtx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        cache, index, scale, backend = ctx.meta
+        cache, index, scale, backend, context = ctx.meta
         cache.check_backward(index)
         qb, kb, vb, doutb = _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(dout)
-        prefix = cache.prefix(index)
+        delegation = _delegation(context, index, backend, cache.name)
+        start = 0 if delegation is None else delegation.oldest_slices
+        pending = None
+        if delegation is not None:
+            oldest = cache.prefix(start)
+            pending = delegation.backward(qb, *oldest, doutb, _bhsd(out), lse, scale, backend.name)
+            remote = oldest[0].shape[2]
+            del oldest
+        else:
+            remote = 0
+        prefix = cache.prefix(index, start=start)
         if is_kernel(backend):
             blocks = _blocks(prefix, kb, vb, backend.general_causal)
             dq, grads = blocks_backward(backend, doutb, qb, blocks, _bhsd(out), lse, scale)
@@ -107,22 +178,36 @@ class _SliceAttention(torch.autograd.Function):
                 dq, dkk, dvv = torch.autograd.grad(backend.attend(*leaves, scale), leaves, doutb)
             grads = [(dkk, dvv)]
         past, dk, dv = _split(grads, kb.shape[2])
+        local = 0 if prefix is None else prefix[0].shape[2]
+        _count(context, qb.shape[2], qb.shape[0], local, remote, passes=2)
         del prefix
+        if pending is not None:
+            dq_remote, dk_remote, dv_remote = pending.wait()
+            dq = dq + dq_remote.to(dq.dtype)
+            cache.add_grads(start, dk_remote, dv_remote)
         if past is not None:
-            cache.add_grads(index, *past)
+            cache.add_grads(index, *past, start=start)
         later = cache.finish(index)
         if later is not None:
             dk = dk + later[0].to(dk.dtype)
             dv = dv + later[1].to(dv.dtype)
-        return _sbhd(dq), _sbhd(dk), _sbhd(dv), None, None, None, None
+        return _sbhd(dq), _sbhd(dk), _sbhd(dv), None, None, None, None, None
 
 
 def sliced_attention(
-    q: Tensor, k: Tensor, v: Tensor, cache: LayerCache, index: int, scale: float, backend: Backend
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cache: LayerCache,
+    index: int,
+    scale: float,
+    backend: Backend,
+    context: PairCounter | None = None,
 ) -> Tensor:
     """Output [s_j, b, h, d] of slice ``index``. q [s_j, b, h, d] and k, v [s_j, b, g, d] are the
     slice's own (rotary already applied from the slice's position offset); the K/V of earlier
-    slices come from ``cache``."""
+    slices come from ``cache``. ``context`` (optional): the delegation of the running op and
+    the pair counters (see the module docstring)."""
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"slice {index}: {q.shape[0]} queries but {k.shape[0]} keys; a slice brings both")
-    return _SliceAttention.apply(q, k, v, cache, index, scale, backend)
+    return _SliceAttention.apply(q, k, v, cache, index, scale, backend, context)

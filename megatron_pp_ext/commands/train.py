@@ -209,6 +209,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
     bubbles: list[float] = []
     peak_activation = 0
     offloaded: int | None = None
+    attention: tuple[int, int, int] | None = None  # own, served, handed away: last step
     for iteration in range(1, settings.iterations + 1):
         for group in optimizer.param_groups:
             group["lr"] = schedule_lr(iteration)
@@ -233,6 +234,8 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
         bubbles.append(min(1.0, hook.last_wait_seconds / elapsed))
         peak_activation = max(peak_activation, result.peak_activation_bytes)
         offloaded = result.offload.offloaded_bytes if result.offload is not None else None
+        if result.attention is not None:
+            attention = result.attention.totals()
         if is_loss_rank:
             total, tokens = (sum(item["lm loss"][i] for item in losses) for i in (0, 1))
             loss = float(total / tokens)
@@ -249,7 +252,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
     progress.close()
     if metrics_file:
         metrics_file.close()
-    _report(rank, settings, schedule, step_times, bubbles, peak_activation, offloaded, device)
+    _report(rank, settings, schedule, step_times, bubbles, peak_activation, offloaded, device, attention)
     hook.uninstall()
     dist.destroy_process_group()
 
@@ -334,6 +337,7 @@ def _report(
     peak_activation: int,
     offloaded: int | None,
     device: Any,
+    attention: tuple[int, int, int] | None = None,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -345,6 +349,7 @@ def _report(
         "bubble": (sum(bubbles[1:] or bubbles) / len(bubbles[1:] or bubbles)) if bubbles else None,
         "peak_activation_mib": peak_activation / 2**20,
         "offloaded_mib": None if offloaded is None else offloaded / 2**20,
+        "attention": attention,
         "max_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20
         if device.type == "cuda"
         else None,
@@ -366,6 +371,10 @@ def _report(
             moved = ""
             if item["offloaded_mib"] is not None:
                 moved = f"  offloaded {item['offloaded_mib']:.2f} MiB/step"
+            if item["attention"] is not None and settings.pipeline.attn_redistribution:
+                own, served, away = (n / 1e6 for n in item["attention"])
+                moved += f"  attention Mpairs computed {own + served:.1f} (served {served:.1f})"
+                moved += f", handed away {away:.1f}"
             print(
                 f"  rank {item['rank']}: step {item['step_time']:.3f} s  bubble {bubble}  "
                 f"peak activation {item['peak_activation_mib']:.2f} MiB{moved}{gpu}"

@@ -11,6 +11,8 @@ seq_length, micro_batch_size, forward_only, ...) and return value (the loss dict
 computes the loss). Nothing inside Megatron is changed; :meth:`Installed.uninstall` undoes it.
 With ``--pp-offload`` the schedule copies activations to host memory (PipeOffload); ``auto``
 settles how many once the model runs, from k measured on the device (or the flags' throughputs).
+With ``--pp-attn-redistribution CAP`` a sliced schedule's heavy slices hand up to CAP of their
+attention (their oldest K/V slices) to a lighter partner rank at each step (SlimPipe).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class OptionError(ValueError):
         self.flag = flag
         self.reason = message
 
+
+REDISTRIBUTION = "--pp-attn-redistribution"
 
 # Generator flags and the names this adapter gives them on Megatron's command line.
 MEGATRON_FLAGS = {
@@ -67,6 +71,7 @@ class PipelineOptions:
     offload_lookahead: int = 1
     host_bandwidth: float | None = None  # bytes/s for auto; None: measured
     compute_throughput: float | None = None  # FLOP/s for auto; None: measured
+    attn_redistribution: float = 0.0  # SlimPipe's cap on the attention a heavy slice hands away
 
     @classmethod
     def from_args(cls, args: Any) -> PipelineOptions:
@@ -84,6 +89,7 @@ class PipelineOptions:
             offload_lookahead=getattr(args, "pp_offload_lookahead", 1),
             host_bandwidth=getattr(args, "pp_host_bandwidth", None),
             compute_throughput=getattr(args, "pp_compute_throughput", None),
+            attn_redistribution=getattr(args, "pp_attn_redistribution", None) or 0.0,
         )
 
     def schedule_for(
@@ -105,10 +111,24 @@ class PipelineOptions:
             raise OptionError(str(error), flags.get(error.flag, error.flag)) from None
         if self.slice_partition:
             schedule.meta["partition"] = self.slice_partition
+        self.check_redistribution(schedule, flags)
         if self.offload == "auto":
             self.offload_policy()  # checks the flags; k is known once the model runs
             return schedule
         return self.with_offload(schedule)
+
+    def check_redistribution(self, schedule: Schedule, flags: dict[str, str] = MEGATRON_FLAGS) -> None:
+        """``--pp-attn-redistribution`` is a share in [0, 1] and needs sequence slices."""
+        cap = self.attn_redistribution
+        if not 0.0 <= cap <= 1.0:
+            raise OptionError(f"CAP must be between 0 and 1 (0 turns it off), got {cap:g}", REDISTRIBUTION)
+        if cap and schedule.slices < 2:
+            slices = flags.get("--slices", "--slices")
+            raise OptionError(
+                f"moves attention between sequence slices, but {schedule.name} runs whole sequences: "
+                f"add {slices} K (K >= 2) with a sliced schedule such as slimpipe, or set it to 0",
+                REDISTRIBUTION,
+            )
 
     def offload_policy(self, ratio: float | None = None) -> OffloadPolicy:
         try:
@@ -181,6 +201,14 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         default=300.0,
         help="seconds a rank waits for a peer before failing with the op and peer named",
+    )
+    group.add_argument(
+        REDISTRIBUTION,
+        type=float,
+        default=0.0,
+        metavar="CAP",
+        help="SlimPipe attention redistribution for sliced schedules: at each step a heavy slice "
+        "hands its oldest K/V slices, up to CAP (0..1) of its attention, to a lighter rank (0 = off)",
     )
     add_offload_args(parser)
     return parser
@@ -258,7 +286,12 @@ class Installed:
             config = get_model_config(models[0])
             comm = PipeComm(ranks=ranks, timeout_s=self.options.p2p_timeout)
             self._runtimes[key] = PipelineRuntime(
-                models, comm, (1, 1, config.hidden_size), config.pipeline_dtype or config.params_dtype, config
+                models,
+                comm,
+                (1, 1, config.hidden_size),
+                config.pipeline_dtype or config.params_dtype,
+                config,
+                attn_redistribution=self.options.attn_redistribution,
             )
         return self._runtimes[key]
 

@@ -14,7 +14,9 @@ zeroing them, finalising them (``finalize_model_grads``) and the optimizer step 
 OFFLOAD/RELOAD ops move a unit's saved activations to host memory and back (``offload.py``;
 ``runtime.offload`` is the engine, with its host pool).
 Schedules with sequence slices cut each microbatch as ``slicing.py`` says: the chunks need sliced
-attention (``build_chunks(..., sliced=True)``), messages have the slice's shape.
+attention (``build_chunks(..., sliced=True)``), messages have the slice's shape. With
+``attn_redistribution`` > 0 heavy slices hand their oldest K/V to a partner rank
+(``redistribution.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..schedule.validate import validate
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, OffloadStats
 from .p2p import PeerError, PipeComm
+from .redistribution import AttentionCounts, Redistribution, StepRedistribution
 from .slicing import SliceFn, StepSlicing, plan_slices
 from .stage import ForwardStepFunc, LossRecord, StageRunner, deallocate
 from .weight_grad import WeightGradStore
@@ -55,6 +58,7 @@ class StepResult:
     peak_memory_allocated: int | None = None  # torch.cuda.max_memory_allocated on GPU
     op_count: dict[str, int] = field(default_factory=dict)
     offload: OffloadStats | None = None  # what the activation copies did, when the schedule has any
+    attention: AttentionCounts | None = None  # attention computed and moved (sliced schedules)
 
 
 class PipelineError(RuntimeError):
@@ -80,7 +84,9 @@ class PipelineRuntime:
     ``placement.chunk_index(s) == i``. ``tensor_shape`` is the activation shape passed between
     stages (Megatron's ``(seq_length, micro_batch_size, hidden_size)``), or a function of the
     RECV op for schedules whose messages differ in shape. ``config`` is the chunks'
-    TransformerConfig (``calculate_per_token_loss``, ``grad_scale_func``)."""
+    TransformerConfig (``calculate_per_token_loss``, ``grad_scale_func``). ``attn_redistribution``
+    is SlimPipe's cap on the attention a heavy slice hands to a partner (0..1, 0 off; sliced
+    schedules only)."""
 
     def __init__(
         self,
@@ -90,6 +96,7 @@ class PipelineRuntime:
         dtype: torch.dtype,
         config: Any = None,
         deallocate_outputs: bool = True,
+        attn_redistribution: float = 0.0,
     ) -> None:
         self.chunks = list(chunks)
         self.comm = comm
@@ -106,6 +113,7 @@ class PipelineRuntime:
         self.offload = OffloadEngine(self.device)
         self.last_result: StepResult | None = None
         self._prepared: dict[tuple[str, bool], Schedule] = {}  # validated once per schedule
+        self.redistribution = Redistribution(comm, attn_redistribution, self.chunks)
 
     # ------------------------------------------------------------------------------------------
 
@@ -173,6 +181,12 @@ class PipelineRuntime:
             iterators = slicing.feeders
             if not callable(full):
                 shape_of = slicing.shape_fn(full)
+        redistribution = None
+        if slicing is not None:
+            plan = self.redistribution.plan(schedule, slicing.lengths)  # collective the first time
+            redistribution = self.redistribution.begin(
+                plan, lowered.ranks[self.rank], slicing.contexts, lowered.placement
+            )
         run = _StepRun(
             self,
             lowered,
@@ -183,18 +197,25 @@ class PipelineRuntime:
             collect_non_loss_data=collect_non_loss_data,
             shape_of=shape_of,
             slicing=slicing,
+            redistribution=redistribution,
         )
+        attention = None
         try:
             run.execute()
             if offload is not None:
                 offload.finish()
-        except BaseException:
+            if redistribution is not None:
+                attention = redistribution.finish()
+        except BaseException as error:
+            failure = None if redistribution is None else redistribution.abandon()
             self.offload.discard()
             for runner in runners.values():
                 runner.discard()
             if slicing is not None:
                 slicing.release()
             self.comm.abandon()
+            if failure is not None and failure not in str(error):
+                raise PeerError(f"{failure}; then the step failed: {error}") from error
             raise
         is_loss_rank = lowered.loss_rank == self.rank
         losses = [run.losses.outputs[mb] for mb in sorted(run.losses.outputs)]
@@ -208,6 +229,7 @@ class PipelineRuntime:
             else None,
             op_count=run.op_count,
             offload=None if offload is None else offload.stats,
+            attention=attention,
         )
         return self.last_result
 
@@ -292,9 +314,11 @@ class _StepRun:
         collect_non_loss_data: bool,
         shape_of: ShapeFn,
         slicing: StepSlicing | None = None,
+        redistribution: StepRedistribution | None = None,
     ) -> None:
         self.rt = runtime
         self.slicing = slicing
+        self.redistribution = redistribution
         self.shape_of = shape_of
         self.collect_non_loss_data = collect_non_loss_data
         self.schedule = schedule
@@ -311,6 +335,8 @@ class _StepRun:
 
     def execute(self) -> None:
         comm = self.rt.comm
+        if self.redistribution is not None:
+            self.redistribution.start()
         for position, op in enumerate(self.schedule.ranks[self.rt.rank]):
             self.op_count[op.kind.value] = self.op_count.get(op.kind.value, 0) + 1
             try:
@@ -373,11 +399,17 @@ class _StepRun:
         else:
             self.outbox[(direction, op.stage, op.microbatch, op.slice)] = item
 
+    def _attention(self, op: Op) -> Any:
+        """The op's attention delegation (SlimPipe redistribution), if the step has any."""
+        if self.redistribution is None:
+            return nullcontext()
+        return self.redistribution.running(self.schedule.placement.chunk_index(op.stage), op)
+
     def _forward(self, op: Op) -> None:
         runner = self.runners[op.stage]
         input_tensor = None if runner.is_first else self._take("F", op.stage, op)
         chunk_index = self.schedule.placement.chunk_index(op.stage)
-        with self.slicing.running(chunk_index, op) if self.slicing else nullcontext():
+        with self.slicing.running(chunk_index, op) if self.slicing else nullcontext(), self._attention(op):
             output = runner.forward(
                 (op.microbatch, op.slice),
                 input_tensor,
@@ -398,7 +430,8 @@ class _StepRun:
     def _backward(self, op: Op, split: bool) -> None:
         runner = self.runners[op.stage]
         output_grad = None if runner.is_last else self._take("B", op.stage, op)
-        input_grad = runner.backward((op.microbatch, op.slice), output_grad, split)
+        with self._attention(op):
+            input_grad = runner.backward((op.microbatch, op.slice), output_grad, split)
         if not runner.is_first:
             if input_grad is None:
                 raise PipelineError(f"rank {self.rt.rank}: {op} produced no input gradient")
