@@ -18,6 +18,7 @@ from megatron_pp_ext.schedule.redistribute import (
     delegation_plan,
     lockstep_slots,
     plan_links,
+    planned_costs,
     redistribute,
 )
 from megatron_pp_ext.schedule.simulate import simulate
@@ -84,6 +85,8 @@ def test_simulate_flag_reports_the_bubble_with_and_without() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "attention redistribution (cap 0.1): bubble 0.095 without -> 0.078 with" in done.stdout
+    # a whole 8K slice is more than 10% of any slice's attention here: the runtime moves nothing
+    assert "as the runtime moves it (whole oldest K/V slices): bubble 0.095" in done.stdout
     refused = simulate_cli(*base, "--pp-attn-redistribution", "0.1")
     assert refused.returncode == 2 and "--pp-attn-redistribution" in refused.stderr
 
@@ -152,3 +155,12 @@ def test_plan_evens_out_the_attention_of_each_slot() -> None:
         return sum(max(work.values()) for work in per_slot.values())
 
     assert critical_path(plan) < 0.93 * critical_path({})
+
+
+def test_the_runtime_plan_in_the_simulator_keeps_the_work_and_lowers_the_bubble() -> None:
+    schedule = generate("slimpipe", 4, 8, slices=8)
+    costs = flop_costs_for("llama-7b", schedule, 65536, partition="uniform")
+    planned = planned_costs(schedule, costs, 0.25)
+    base, after = simulate(schedule, costs), simulate(schedule, planned)
+    assert sum(after.busy_per_rank) == pytest.approx(sum(base.busy_per_rank), rel=1e-12)
+    assert after.bubble_rate < base.bubble_rate - 0.01, (base.bubble_rate, after.bubble_rate)

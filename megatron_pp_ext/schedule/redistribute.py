@@ -220,3 +220,17 @@ def plan_links(plan: dict[tuple[int, Op], Delegation]) -> list[tuple[int, int]]:
     """The ordered (delegating rank, partner) pairs of a plan, sorted: every rank creates their
     process groups in this order."""
     return sorted({(rank, delegation.partner) for (rank, _), delegation in plan.items()})
+
+
+def planned_costs(schedule: Schedule, costs: FlopCosts, cap: float) -> RedistributedCosts:
+    """``costs`` with the moves real ranks make (:func:`delegation_plan`: whole oldest slices,
+    so less even than :func:`redistribute`'s exact shares, and nothing when a slice is over the
+    cap), for the simulator to show what the runtime does."""
+    result = RedistributedCosts(costs)
+    lengths, layers = costs.slice_lengths or [costs.seq_length], costs.layers_per_stage
+    for (_, heavy), delegation in delegation_plan(schedule, lengths, cap, layers).items():
+        seconds = delegation.work / attention_work(heavy, lengths, layers) * attention_time(costs, heavy)
+        result.adjust[heavy] = result.adjust.get(heavy, 0.0) - seconds
+        result.adjust[delegation.light] = result.adjust.get(delegation.light, 0.0) + seconds
+        result.moved.append((heavy, delegation.light, seconds))
+    return result
