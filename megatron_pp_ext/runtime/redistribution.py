@@ -85,7 +85,10 @@ class _Channel:
             raise PeerError(f"rank {self.comm.rank}: {what} rank {self.peer} failed: {error}") from error
 
     def send(self, tensors: Sequence[Tensor], what: str) -> list[tuple[Any, Tensor]]:
-        return [self._start(dist.isend, t.detach().contiguous(), f"{what} to") for t in tensors]
+        """Start sending ``tensors`` (on this rank's device: NCCL sends device tensors)."""
+        return [
+            self._start(dist.isend, t.detach().to(self.device).contiguous(), f"{what} to") for t in tensors
+        ]
 
     def post(self, specs: Sequence[Spec], what: str) -> list[tuple[Any, Tensor]]:
         """Post the receives of ``specs`` (shape, dtype) and return them in flight."""
@@ -104,7 +107,10 @@ class _Channel:
         return self.wait(self.post(specs, what), f"{what} from")
 
 
-def _header(kind: int, kernel: str = "math", q: Tensor | None = None, v: Tensor | None = None, scale=0.0):
+def _header(
+    kind: int, kernel: str = "math", q: Tensor | None = None, v: Tensor | None = None, scale: float = 0.0
+) -> Tensor:
+    """The request's kind and, for a forward or backward, what the partner must allocate."""
     values = [float(kind)] + [0.0] * (HEADER - 1)
     if q is not None and v is not None:
         b, h, sq, d = q.shape
