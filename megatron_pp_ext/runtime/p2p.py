@@ -156,7 +156,7 @@ class PipeComm:
                 if not item.finished.wait(self.timeout_s + 1.0):
                     item.error = TimeoutError(f"no completion after {self.timeout_s:.1f}s")
             else:
-                self._wait(item.work, f"{item.what} to", item.peer)
+                self.wait_work(item.work, f"{item.what} to", item.peer)
             self._finish(item)
 
     def _finish(self, pending: _PendingSend) -> None:
@@ -200,12 +200,13 @@ class PipeComm:
             raise PeerError(f"rank {self.rank}: {what} from rank {peer} failed: {error}") from error
         start = time.monotonic()
         try:
-            self._wait(work, f"{what} from", peer)
+            self.wait_work(work, f"{what} from", peer)
         finally:
             self.wait_seconds += time.monotonic() - start
         return buffer
 
-    def _wait(self, work: dist.Work, what: str, peer: int) -> None:
+    def wait_work(self, work: dist.Work, what: str, peer: int) -> None:
+        """Wait for one transfer with ``peer`` within the timeout; PeerError names rank, op, peer."""
         start = time.monotonic()
         try:
             if self.backend == "gloo":

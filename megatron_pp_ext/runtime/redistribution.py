@@ -100,7 +100,7 @@ class _Channel:
     def wait(self, works: Sequence[tuple[Any, Tensor]], what: str) -> list[Tensor]:
         """Wait for each transfer within the runtime's timeout; PeerError names rank and peer."""
         for work, _ in works:
-            self.comm._wait(work, what, self.peer)
+            self.comm.wait_work(work, what, self.peer)
         return [buffer for _, buffer in works]
 
     def recv(self, specs: Sequence[Spec], what: str) -> list[Tensor]:
