@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -48,10 +47,10 @@ def test_labels_drop_the_slice_when_unsliced() -> None:
     assert plot.trace_name(result.events[0], 1) == "F 0 s0"
 
 
-def test_long_schedule_renders_quickly(tmp_path: Path) -> None:
+def test_long_schedule_renders(tmp_path: Path) -> None:
     result = simulate(generate("1f1b", 8, 64, slices=8))
-    start = time.perf_counter()
     plot.plot_timeline(result, str(tmp_path / "long.png"))
     plot.write_trace(result, str(tmp_path / "long.json"))
-    assert time.perf_counter() - start < 10
+    spans = [e for e in json.loads((tmp_path / "long.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(result.events)
     assert (tmp_path / "long.png").stat().st_size > 1000

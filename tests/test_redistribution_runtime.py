@@ -305,15 +305,13 @@ def failing_partner_worker(rank: int, world: int) -> dict:
 
 
 def test_a_failing_partner_is_named_and_nobody_hangs() -> None:
-    start = time.monotonic()
-    results = run_ranks(failing_partner_worker, 2, timeout=60)
+    results = run_ranks(failing_partner_worker, 2, timeout=60)  # a hang fails here
     assert not any(isinstance(r, RankFailure) for r in results), results
     waiting, partner = results[0]["error"], results[1]["error"]
     assert waiting and waiting.startswith("rank 0: ") and "from rank 1" in waiting, waiting
     assert "attention of" in waiting or "RECV" in waiting, waiting
     assert partner and "rank 1: the attention service for rank 0 failed" in partner, partner
     assert "kernel exploded" in partner
-    assert time.monotonic() - start < 30
 
 
 # ---- flags ---------------------------------------------------------------------------------------

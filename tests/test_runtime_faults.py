@@ -51,7 +51,8 @@ def _check(results: list, world: int, culprit: int) -> None:
         assert message.startswith(f"rank {rank}: "), message
         assert any(kind in message for kind in ("RECV_F", "RECV_B", "SEND_F", "SEND_B")), message
         assert "from rank" in message or "to rank" in message, message
-        assert result["elapsed"] < TIMEOUT_S * 2 + 1.0, result
+        # well short of a hang (run_ranks gives up at 60 s); slack for a loaded machine
+        assert result["elapsed"] < TIMEOUT_S * 2 + 8.0, result
 
 
 def test_peer_dies() -> None:
