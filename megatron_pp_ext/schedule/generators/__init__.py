@@ -16,6 +16,7 @@ from .interleaved import interleaved_1f1b
 from .one_f_one_b import one_f_one_b
 from .request import Costs, RequestError, ScheduleRequest
 from .sliced import seq1f1b, seq1f1b_interleaved, slimpipe, slimpipe_interleaved
+from .uniform_interleaved import uniform_interleaved
 from .vshape import v_half, v_min, v_zb
 from .zero_bubble import zb_auto, zb_h1, zb_h2
 
@@ -49,6 +50,16 @@ register(
         "interleaved-1f1b",
         interleaved_1f1b,
         "Megatron's interleaved 1F1B: v chunks per rank, groups of p microbatches",
+        default_vpp=2,
+        allowed_vpp=None,
+        min_vpp=2,
+    )
+)
+register(
+    GeneratorSpec(
+        "uniform-interleaved",
+        uniform_interleaved,
+        "PipeOffload's uniform interleaved: one F/B/W pattern per unit, flat memory, chunk 0 longest-lived",
         default_vpp=2,
         allowed_vpp=None,
         min_vpp=2,
