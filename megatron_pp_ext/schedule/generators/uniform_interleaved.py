@@ -5,7 +5,7 @@ Megatron's interleaved 1F1B forwards a group of p microbatches through chunk 0 b
 them reaches chunk 1, so at the end of its warm-up rank 0 holds a whole group of chunk-1 units
 beside the chunk-0 ones, and offloading chunk 0 removes only about half of its peak. Here units
 (microbatches, or slices of them) enter one at a time and move through the chunks at a fixed lag,
-on a timetable of unit-cost slots (Wan et al., ICML'25, "PipeOffload", section 4):
+as in PipeOffload's schedule (Wan et al., ICML'25, figure 2), on a timetable of unit-cost slots:
 
 * per unit a rank runs v forwards, v input-gradient backwards (B) and v weight-gradient passes
   (W): one period of 3v slots;
