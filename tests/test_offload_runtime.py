@@ -6,10 +6,10 @@ a storage something else holds is not copied, host buffers are reused across ste
 RELOAD fails clearly.
 
 On 4 gloo ranks (one launch): 1F1B, interleaved 1F1B (v=2), PipeOffload's uniform interleaved
-(v=2), V-Half, ZB-H1 and SlimPipe with offload give the loss and gradients of the model without a pipeline (fp32, relative error
-< 1e-5), and each rank's measured activation peak, with and without offload, lands within 15%
-of the simulator calibrated by per-stage probes (what one F keeps, what its W needs after B,
-what one OFFLOAD frees).
+(v=2), V-Half, ZB-H1 and SlimPipe with offload give the loss and gradients of the model without
+a pipeline (fp32, relative error < 1e-5), and each rank's measured activation peak, with and
+without offload, lands within 15% of the simulator calibrated by per-stage probes (what one F
+keeps, what its W needs after B, what one OFFLOAD frees).
 """
 
 from __future__ import annotations
