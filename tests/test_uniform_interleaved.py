@@ -70,15 +70,14 @@ def test_first_chunk_lives_longest_on_every_rank() -> None:
 @pytest.mark.parametrize(("pp", "most"), [(4, 0.30), (8, 0.25), (16, 0.22)])
 def test_selective_offload_of_chunk_0_reaches_about_a_quarter(pp: int, most: float) -> None:
     microbatches = 4 * pp
-    interleaved = simulate(generate("interleaved-1f1b", pp, microbatches, vpp=2))
+    interleaved_schedule = generate("interleaved-1f1b", pp, microbatches, vpp=2)
+    interleaved = simulate(interleaved_schedule)
     uniform = generate("uniform-interleaved", pp, microbatches, vpp=2)
     offloaded = simulate(apply_offload(uniform, OffloadPolicy("selective")))
     share = max(offloaded.peak_memory_m) / max(interleaved.peak_memory_m)
     assert share < most, f"p={pp}: {share:.3f} of interleaved 1F1B's peak"
     # interleaved 1F1B with the same offload stays near half
-    itself = simulate(
-        apply_offload(generate("interleaved-1f1b", pp, microbatches, vpp=2), OffloadPolicy("selective"))
-    )
+    itself = simulate(apply_offload(interleaved_schedule, OffloadPolicy("selective")))
     assert max(itself.peak_memory_m) / max(interleaved.peak_memory_m) > 0.38
     # at no more than one hundredth of bubble above interleaved 1F1B's
     assert simulate(uniform).bubble_rate <= interleaved.bubble_rate + 0.01
