@@ -2,7 +2,9 @@
 
 Pure Python (no torch): usable on a laptop to study a schedule before a GPU is booked. With
 ``--pp-offload`` the schedule gets activation copies to host memory (PipeOffload) and the table
-shows each peak with and without them.
+shows each peak with and without them. With ``--model`` and Megatron's parallel flags (TP, SP,
+CP, DP, distributed optimizer) each rank's memory is its activations plus weights, gradients and
+optimizer state (``schedule/memory_model.py``).
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import asdict
 from typing import Any
 
 from ..schedule.costs import CostModel, UniformCosts
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule, load
+from ..schedule.memory_model import MemoryParts, ParallelError, Parallelism, check_parallel, stage_layers
 from ..schedule.offload import (
     OffloadError,
     add_offload_args,
@@ -36,7 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}, or 'all'")
     parser.add_argument("--schedule-file", help="load a hand-written schedule (text or JSON) instead")
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks p")
+    parser.add_argument(
+        "--pp", "--pipeline-model-parallel-size", type=int, default=4, help="pipeline ranks p"
+    )
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches m per iteration")
     parser.add_argument("--vpp", type=int, default=None, help="chunks (virtual stages) per rank")
     parser.add_argument("--slices", type=int, default=1, help="sequence slices k per microbatch")
@@ -71,12 +77,61 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="SlimPipe attention redistribution: paired heavy ranks hand up to CAP (0..1) of their "
         "attention to light partners (needs --model; 0 = off)",
     )
+    add_parallel_args(parser)
     add_offload_args(parser, simulator=True)
     parser.add_argument("--plot", help="write a timeline picture (.png or .svg)")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace (.json)")
     parser.add_argument("--save", help="write the generated schedule (.json or text)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(run=run)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron's own flag names, so a launch script's sizes can be pasted in (need --model)."""
+    group = parser.add_argument_group("Megatron parallelism (with --model: memory per rank in bytes)")
+    group.add_argument("--tensor-model-parallel-size", dest="tp", type=int, default=1, help="TP size t")
+    group.add_argument(
+        "--sequence-parallel", dest="sp", action="store_true", help="shard norms/residual over TP ranks"
+    )
+    group.add_argument("--context-parallel-size", dest="cp", type=int, default=1, help="CP size c")
+    group.add_argument(
+        "--data-parallel-size", dest="dp", type=int, default=1, help="DP size d (distributed optimizer)"
+    )
+    group.add_argument(
+        "--use-distributed-optimizer",
+        dest="distributed_optimizer",
+        action="store_true",
+        help="shard Adam's state and master weights over DP x CP ranks",
+    )
+
+
+PARALLEL_FLAGS = {
+    "tp": ("--tensor-model-parallel-size", 1),
+    "sp": ("--sequence-parallel", False),
+    "cp": ("--context-parallel-size", 1),
+    "dp": ("--data-parallel-size", 1),
+    "distributed_optimizer": ("--use-distributed-optimizer", False),
+}
+
+
+def parallel_from_args(args: argparse.Namespace) -> Parallelism:
+    """The parallel layout the flags ask for, checked against the model (one line naming the
+    flag when Megatron would refuse it)."""
+    parallel = Parallelism(**{name: getattr(args, name) for name in PARALLEL_FLAGS})
+    if args.model is None:
+        for name, (flag, default) in PARALLEL_FLAGS.items():
+            if getattr(args, name) != default:
+                raise UsageError(flag, "needs --model NAME (memory per rank in bytes)")
+        return parallel
+    from ..schedule.models import get_model
+
+    try:
+        check_parallel(get_model(args.model), args.seq_length, parallel)
+    except KeyError as error:
+        raise UsageError("--model", str(error.args[0]), flag_in_message=True) from None
+    except ParallelError as error:
+        raise UsageError(error.flag, str(error), flag_in_message=True) from None
+    return parallel
 
 
 def parse_costs(text: str) -> Costs:
@@ -128,20 +183,66 @@ def cost_model(args: argparse.Namespace, schedule: Schedule, costs: Costs) -> Co
             ranks_per_host=args.pp_ranks_per_host,
         )
     from ..schedule.flops import flop_costs_for
+    from ..schedule.partition import DEFAULT_UNIT
 
     options: dict[str, float] = {"ranks_per_host": args.pp_ranks_per_host}
     if args.pp_host_bandwidth:
         options["host_bandwidth"] = args.pp_host_bandwidth
     if args.pp_compute_throughput:
         options.update(peak_flops=args.pp_compute_throughput, utilisation=1.0)
+    parallel = parallel_from_args(args)
     return flop_costs_for(
         args.model,
         schedule,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         partition=schedule.meta.get("partition", "uniform"),
+        unit=math.lcm(DEFAULT_UNIT, parallel.sequence_multiple),  # every slice shards like a sequence
+        parallel=parallel,
+        layers_per_stage=layers_of(args, schedule),
         **options,
     )
+
+
+def layers_of(args: argparse.Namespace, schedule: Schedule) -> list[int]:
+    """Layers per virtual stage as the runtime splits them, so activations and weights agree."""
+    from ..schedule.models import get_model
+
+    layers = get_model(args.model).layers
+    try:
+        return stage_layers(layers, schedule.num_stages)
+    except ValueError:
+        flag = "--vpp" if schedule.vpp > 1 else "--pp"
+        raise UsageError(
+            flag,
+            f"{args.model} has {layers} layers, too few for {schedule.num_stages} virtual stages "
+            f"(pp {schedule.pp} x {schedule.vpp} chunks) of at least one layer each",
+        ) from None
+
+
+def rank_memory(args: argparse.Namespace, result: SimResult) -> list[MemoryParts] | None:
+    """Each rank's peak activations plus its weights, gradients and optimizer state (bytes);
+    None without --model. Static memory is held all step, so it adds to the activation peak."""
+    if args.model is None:
+        return None
+    from ..schedule.memory_model import static_memory
+    from ..schedule.models import get_model
+
+    schedule = result.schedule
+    static = static_memory(
+        get_model(args.model), schedule.placement, parallel_from_args(args), layers_of(args, schedule)
+    )
+    return [parts.with_activations(peak) for parts, peak in zip(static, result.peak_memory_per_rank)]
+
+
+def result_dict(args: argparse.Namespace, result: SimResult) -> dict[str, Any]:
+    """``result.to_dict()`` plus, with --model, the parallel layout and each rank's memory parts."""
+    data = result.to_dict()
+    parts = rank_memory(args, result)
+    if parts is not None:
+        data["parallel"] = asdict(parallel_from_args(args))
+        data["memory_parts_bytes"] = [p.to_dict() for p in parts]
+    return data
 
 
 def check_offload_args(args: argparse.Namespace) -> None:
@@ -223,7 +324,7 @@ def redistributed(args: argparse.Namespace, schedule: Schedule, model: CostModel
     return redistribute(schedule, model, cap)
 
 
-def _row(result: SimResult, in_bytes: bool = False) -> dict[str, Any]:
+def _row(result: SimResult, memory: list[MemoryParts] | None = None) -> dict[str, Any]:
     data = result.to_dict()
     row = {
         "schedule": data["schedule"],
@@ -235,8 +336,9 @@ def _row(result: SimResult, in_bytes: bool = False) -> dict[str, Any]:
         "peak M (rank 0)": f"{data['peak_memory_m'][0]:.3f}",
         "peak M (max)": f"{max(data['peak_memory_m']):.3f}",
     }
-    if in_bytes:
-        row["peak GiB (max)"] = f"{max(data['peak_memory_bytes']) / 2**30:.2f}"
+    if memory is not None:
+        row["act GiB (max)"] = f"{max(data['peak_memory_bytes']) / 2**30:.2f}"
+        row["total GiB (max)"] = f"{max(p.total for p in memory) / 2**30:.2f}"
     if result.baseline is not None:
         row["no offload: peak M (max)"] = f"{max(result.baseline.peak_memory_m):.3f}"
         row["no offload: bubble"] = f"{result.baseline.bubble_rate:.3f}"
@@ -255,19 +357,23 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    parallel_from_args(args)  # bad sizes fail once, before any schedule (also for 'all')
     if args.schedule == "all" and not args.schedule_file:
         return run_all(args)
     result = simulate_one(args, args.schedule)
     write_pictures(args, result)
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps(result_dict(args, result)))
         return 0
-    print(format_table([_row(result, in_bytes=args.model is not None)]))
+    memory = rank_memory(args, result)
+    print(format_table([_row(result, memory)]))
     per_rank = ", ".join(
         f"r{r}: bubble {b:.3f} peak {m:.3f}M"
         for r, (b, m) in enumerate(zip(result.bubble_rate_per_rank, result.peak_memory_m))
     )
     print(per_rank)
+    if memory is not None:
+        print(memory_summary(memory))
     if result.baseline is not None:
         print(offload_summary(result))
     meta = result.schedule.meta
@@ -280,6 +386,18 @@ def run(args: argparse.Namespace) -> int:
             f"  as the runtime moves it (whole oldest K/V slices): bubble {meta['bubble_whole_slices']:.3f}"
         )
     return 0
+
+
+def memory_summary(memory: list[MemoryParts]) -> str:
+    """One line per rank: total GiB and its four parts."""
+    gib = 2**30
+    lines = ["memory per rank (GiB) = activations + weights + gradients + optimizer"]
+    for rank, p in enumerate(memory):
+        lines.append(
+            f"  r{rank}: {p.total / gib:.2f} = {p.activations / gib:.2f} + {p.weights / gib:.2f} + "
+            f"{p.gradients / gib:.2f} + {p.optimizer / gib:.2f}"
+        )
+    return "\n".join(lines)
 
 
 def offload_summary(result: SimResult) -> str:
@@ -306,8 +424,8 @@ def run_all(args: argparse.Namespace) -> int:
             rows.append({"schedule": name, "v": "-", "k": "-", "makespan": f"n/a: {error.flag}"})
             results.append({"schedule": name, "error": str(error)})
             continue
-        rows.append(_row(result, in_bytes=args.model is not None))
-        results.append(result.to_dict())
+        rows.append(_row(result, rank_memory(args, result)))
+        results.append(result_dict(args, result))
     if args.json:
         print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "schedules": results}))
     else:

@@ -39,8 +39,6 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not support context parallelism")
-        if config.tensor_model_parallel_size != 1:
-            raise ValueError("SDPAttention supports tensor_model_parallel_size=1 only")
         if config.softmax_type != "vanilla":
             raise ValueError(
                 f"SDPAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"

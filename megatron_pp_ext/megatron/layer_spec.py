@@ -1,12 +1,14 @@
 """Transformer-layer specs for our model chunks.
 
-The local spec is Megatron's own GPT layer (SelfAttention + MLP, pre-norm, RMSNorm through
-``WrappedTorchNorm``) with two substitutions: core attention on PyTorch SDPA (Megatron's local
-DotProductAttention needs CUDA) and Megatron's linears replaced by subclasses whose weight gradient
-can be deferred to a W op (the B/W split). On a GPU with Transformer Engine importable, the TE spec
-is used instead; its weight gradients are then split by the generic path (computed at B, applied
-at W), see ``runtime/weight_grad.py``. Sequence-sliced schedules (Seq1F1B, SlimPipe, sliced
-ZB/V-shape) take ``sliced=True``: the same layer with SlicedCoreAttention as core attention.
+The local spec is Megatron's own GPT layer (SelfAttention + MLP, pre-norm, RMSNorm) with three
+substitutions: core attention on PyTorch SDPA (Megatron's local DotProductAttention needs CUDA),
+Megatron's linears replaced by subclasses whose weight gradient can be deferred to a W op (the
+B/W split; tensor and sequence parallel like Megatron's), and a torch norm that allows sequence
+parallelism (``norm.py``). :func:`block_spec` adds the final norm of the same kind. On a GPU
+with Transformer Engine importable, the TE spec is used instead; its weight gradients are then
+split by the generic path (computed at B, applied at W), see ``runtime/weight_grad.py``.
+Sequence-sliced schedules (Seq1F1B, SlimPipe, sliced ZB/V-shape) take ``sliced=True``: the same
+layer with SlicedCoreAttention as core attention.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from ..attention import SlicedCoreAttention
 from ..runtime.weight_grad import DeferrableColumnParallelLinear, DeferrableRowParallelLinear
 from .attention import SDPAttention
+from .norm import TorchNorm
 
 
 def local_layer_spec(sliced: bool = False) -> ModuleSpec:
@@ -32,7 +35,7 @@ def local_layer_spec(sliced: bool = False) -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm,
+            input_layernorm=TorchNorm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
@@ -45,7 +48,7 @@ def local_layer_spec(sliced: bool = False) -> ModuleSpec:
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=WrappedTorchNorm,
+            pre_mlp_layernorm=TorchNorm,
             mlp=ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(
@@ -82,3 +85,12 @@ def layer_spec(use_te: bool | None = None, sliced: bool = False) -> ModuleSpec:
     if sliced:
         spec.submodules.self_attention.submodules.core_attention = SlicedCoreAttention
     return spec
+
+
+def block_spec(spec: ModuleSpec, num_layers: int) -> ModuleSpec | TransformerBlockSubmodules:
+    """The decoder block of ``num_layers`` layers of ``spec``. For the local spec the final norm
+    is :class:`TorchNorm` (Megatron's default on CPU, ``WrappedTorchNorm``, refuses sequence
+    parallelism); a TE spec is returned as it is (its block picks TENorm)."""
+    if spec.submodules.input_layernorm is not TorchNorm:
+        return spec
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=TorchNorm)

@@ -10,9 +10,11 @@ For exactness tests, :func:`build_reference` builds the whole model in one proce
 :func:`copy_from_reference` copies its weights into a stage by global layer index;
 :func:`reference_name` maps a stage parameter name back to the reference.
 
-Megatron's parallel state must give every pipeline its own data-parallel group:
-:func:`init_parallel_state` initialises it with TP=1 and PP = the pipeline size, and
-:func:`check_parallel_state` refuses a state whose data-parallel group would span our stages.
+Tensor, sequence and data parallelism come from Megatron's own parallel state:
+:func:`init_parallel_state` initialises it (TP, PP = the pipeline size, DP = the rest of the
+world), each stage's TransformerConfig takes its TP size from it, and ``sequence_parallel`` comes
+with the model's ``extra`` fields. :func:`check_parallel_state` refuses a state whose pipeline
+size is not the schedule's (its data-parallel group would span our stages).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..schedule.models import ModelShape
-from .layer_spec import layer_spec
+from .layer_spec import block_spec, layer_spec
 
 DTYPES = {
     "float32": torch.float32,
@@ -113,7 +115,7 @@ def transformer_config(model: ModelConfig, num_layers: int | None = None) -> Tra
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=_parallel_size("tensor"),
         pipeline_model_parallel_size=1,
     )
     fields.update(model.extra)
@@ -121,20 +123,37 @@ def transformer_config(model: ModelConfig, num_layers: int | None = None) -> Tra
     return TransformerConfig(**fields)
 
 
+def _parallel_size(kind: str) -> int:
+    """This process's tensor (or context) parallel size from Megatron's parallel state; 1 when
+    it is not initialised (a single-process model)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    if kind == "tensor":
+        return parallel_state.get_tensor_model_parallel_world_size()
+    return parallel_state.get_context_parallel_world_size()
+
+
 def check_supported(config: Any) -> None:
-    """The runtime pipelines whole layers over ranks; tensor, sequence and context parallelism
-    would need collectives inside a stage that it does not drive."""
+    """Each stage is a GPTModel of Megatron's with ``pipeline_model_parallel_size=1`` (the
+    runtime does the pipelining); its tensor-parallel size must be the parallel state's, sequence
+    parallelism needs TP > 1, and context parallelism is not supported yet."""
     tp = getattr(config, "tensor_model_parallel_size", 1)
-    if tp != 1:
+    if tp != _parallel_size("tensor"):
         raise ValueError(
-            f"tensor_model_parallel_size={tp} is not supported: "
-            "megatron_pp_ext runs TP=1 (one GPU per pipeline stage)"
+            f"tensor_model_parallel_size={tp} but Megatron's parallel state has "
+            f"TP={_parallel_size('tensor')}: initialise it with init_parallel_state(pp, tp={tp})"
         )
-    if getattr(config, "sequence_parallel", False):
-        raise ValueError("sequence_parallel is not supported: it needs TP>1, and megatron_pp_ext runs TP=1")
+    for name, count in (
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_query_groups", config.num_query_groups),
+    ):
+        if count % tp:
+            raise ValueError(f"{name}={count} is not divisible by tensor_model_parallel_size={tp}")
+    if getattr(config, "sequence_parallel", False) and tp == 1:
+        raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
     cp = getattr(config, "context_parallel_size", 1)
     if cp != 1:
-        raise ValueError(f"context_parallel_size={cp} is not supported")
+        raise ValueError(f"context_parallel_size={cp} is not supported yet (context parallelism)")
 
 
 def split_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] | None = None) -> list[int]:
@@ -203,7 +222,7 @@ def _gpt(
     config = transformer_config(model, num_layers)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te, sliced=sliced),
+        transformer_layer_spec=block_spec(layer_spec(use_te, sliced=sliced), num_layers),
         vocab_size=model.vocab_size,
         max_sequence_length=model.seq_length,
         pre_process=pre_process,
@@ -302,28 +321,34 @@ def build_chunks_from(
     return chunks, names
 
 
-def init_parallel_state(pp_size: int) -> None:
-    """Megatron's parallel state for our pipelines: TP=1, PP=``pp_size``, so data parallelism
-    never spans the stages of one pipeline. ``torch.distributed`` must be initialised."""
+def init_parallel_state(pp_size: int, tp_size: int = 1) -> None:
+    """Megatron's parallel state for our pipelines: TP = ``tp_size``, PP = ``pp_size``, and data
+    parallelism over the rest of the world (world = TP x PP x DP), so a data-parallel group never
+    spans the stages of one pipeline. ``torch.distributed`` must be initialised."""
     if not torch.distributed.is_initialized():
         raise RuntimeError("init_parallel_state needs torch.distributed to be initialised first")
     if parallel_state.model_parallel_is_initialized():
-        check_parallel_state(pp_size)
+        check_parallel_state(pp_size, tp_size)
         return
+    world = torch.distributed.get_world_size()
+    if world % (tp_size * pp_size):
+        raise ValueError(
+            f"world size {world} is not a multiple of tensor x pipeline parallel size {tp_size} x {pp_size}"
+        )
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
         create_gloo_process_groups=False,
     )
-    check_parallel_state(pp_size)
+    check_parallel_state(pp_size, tp_size)
 
 
-def check_parallel_state(pp_size: int) -> None:
-    """Refuse a parallel state with TP>1 or with a pipeline size other than ours (whose
-    data-parallel group would all-reduce gradients across our stages)."""
+def check_parallel_state(pp_size: int, tp_size: int | None = None) -> None:
+    """Refuse a parallel state with a pipeline size other than ours (its data-parallel group
+    would all-reduce gradients across our stages), or another TP size than ``tp_size``."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp != 1:
-        raise ValueError(f"Megatron parallel state has TP={tp}; megatron_pp_ext supports TP=1 only")
+    if tp_size is not None and tp != tp_size:
+        raise ValueError(f"Megatron parallel state has TP={tp}, not the {tp_size} asked for")
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if pp != pp_size:
         raise ValueError(

@@ -35,6 +35,7 @@ from ..schedule.ir import Op, OpKind, Schedule
 from ..schedule.lowering import lower
 from ..schedule.models import megatron_shape
 from ..schedule.validate import validate
+from .grad_sync import GradSync
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, OffloadStats
 from .p2p import PeerError, PipeComm
@@ -109,6 +110,8 @@ class PipelineRuntime:
         self.device = next(self.chunks[0].parameters()).device
         self.stores = [WeightGradStore() for _ in self.chunks]
         _check_parallel_state(comm.size)
+        # Under sequence parallelism a message holds this rank's 1/TP of the sequence.
+        self.sequence_share = _sequence_share(self.config)
         self.meter = ActivationMeter()
         self.offload = OffloadEngine(self.device)
         self.last_result: StepResult | None = None
@@ -187,6 +190,9 @@ class PipelineRuntime:
             redistribution = self.redistribution.begin(
                 plan, lowered.ranks[self.rank], slicing.contexts, lowered.placement
             )
+        sync = GradSync(
+            self.config, self.chunks, lowered.ranks[self.rank], lowered.placement.chunk_index, forward_only
+        )
         run = _StepRun(
             self,
             lowered,
@@ -198,6 +204,7 @@ class PipelineRuntime:
             shape_of=shape_of,
             slicing=slicing,
             redistribution=redistribution,
+            sync=sync,
         )
         attention = None
         try:
@@ -207,6 +214,7 @@ class PipelineRuntime:
             if redistribution is not None:
                 attention = redistribution.finish()
         except BaseException as error:
+            sync.finish()
             failure = None if redistribution is None else redistribution.abandon()
             self.offload.discard()
             for runner in runners.values():
@@ -268,12 +276,19 @@ def _check_parallel_state(pp_size: int) -> None:
     if not parallel_state.model_parallel_is_initialized():
         return
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if pp != pp_size or tp != 1:
+    if pp != pp_size:
         raise ValueError(
-            f"Megatron parallel state has TP={tp}, PP={pp} but the pipeline has {pp_size} ranks: "
-            f"initialise it with tensor_model_parallel_size=1, pipeline_model_parallel_size={pp_size}"
+            f"Megatron parallel state has PP={pp} but the pipeline has {pp_size} ranks: "
+            f"initialise it with pipeline_model_parallel_size={pp_size}"
         )
+
+
+def _sequence_share(config: Any) -> int:
+    """How many ranks share a message's sequence: TP under sequence parallelism (Megatron's
+    ``get_tensor_shapes`` divides the sequence length the same way)."""
+    if not getattr(config, "sequence_parallel", False):
+        return 1
+    return int(getattr(config, "tensor_model_parallel_size", 1))
 
 
 def _shape_fn(tensor_shape: Sequence[int] | ShapeFn) -> ShapeFn:
@@ -315,8 +330,10 @@ class _StepRun:
         shape_of: ShapeFn,
         slicing: StepSlicing | None = None,
         redistribution: StepRedistribution | None = None,
+        sync: GradSync | None = None,
     ) -> None:
         self.rt = runtime
+        self.sync = sync
         self.slicing = slicing
         self.redistribution = redistribution
         self.shape_of = shape_of
@@ -337,10 +354,16 @@ class _StepRun:
         comm = self.rt.comm
         if self.redistribution is not None:
             self.redistribution.start()
+        if self.sync is not None:
+            self.sync.begin()
         for position, op in enumerate(self.schedule.ranks[self.rt.rank]):
             self.op_count[op.kind.value] = self.op_count.get(op.kind.value, 0) + 1
             try:
+                if self.sync is not None:
+                    self.sync.before(position)
                 self._run(op)
+                if self.sync is not None:
+                    self.sync.after(position)
             except Exception as error:
                 if isinstance(error, (PipelineError, PeerError)):
                     raise
@@ -349,6 +372,8 @@ class _StepRun:
                 ) from error
             comm.reap()
         comm.flush()
+        if self.sync is not None:
+            self.sync.finish()
         leftovers = [item for runner in self.runners.values() for item in runner.leftover()]
         leftovers += [f"unused message {key}" for key in self.inbox] + [
             f"unsent output {key}" for key in self.outbox
@@ -367,7 +392,7 @@ class _StepRun:
         elif kind in (OpKind.RECV_F, OpKind.RECV_B):
             direction = "F" if kind == OpKind.RECV_F else "B"
             tensor = self.rt.comm.recv(
-                self.shape_of(op), self.rt.dtype, self.rt.device, op.peer, direction, str(op)
+                self._message_shape(op), self.rt.dtype, self.rt.device, op.peer, direction, str(op)
             )
             self.inbox[(direction, op.stage, op.microbatch, op.slice)] = (tensor, self.rt.meter.hold(tensor))
         elif kind in (OpKind.SEND_F, OpKind.SEND_B):
@@ -380,6 +405,17 @@ class _StepRun:
             self.rt.offload.reload(op.unit)
         else:
             raise PipelineError(f"rank {self.rt.rank}: unknown op {op}")
+
+    def _message_shape(self, op: Op) -> tuple[int, ...]:
+        """The shape a RECV gets: the (slice of the) sequence, this rank's share of it."""
+        sequence, *rest = self.shape_of(op)
+        share = self.rt.sequence_share
+        if sequence % share:
+            raise PipelineError(
+                f"rank {self.rt.rank}: {op}: sequence length {sequence} is not divisible by the "
+                f"tensor-parallel size {share} (sequence parallelism)"
+            )
+        return (sequence // share, *rest)
 
     def _take(self, direction: str, stage: int, op: Op) -> Tensor:
         item = self.inbox.pop((direction, stage, op.microbatch, op.slice), None)

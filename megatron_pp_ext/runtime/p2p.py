@@ -73,10 +73,13 @@ class _SendWaiter:
 
 
 class PipeComm:
-    """P2P between the ranks of one pipeline. ``ranks[i]`` is the global rank of pipeline rank i.
+    """P2P between the ranks of one pipeline. ``ranks[i]`` is the global rank of pipeline rank i
+    (default: the whole world is one pipeline).
 
     Construction is collective over the default group: every process must create its PipeComm
-    objects in the same order (``new_group`` semantics)."""
+    objects in the same order (``new_group`` semantics). With tensor or data parallelism the world
+    holds several pipelines; each process then learns all of them (one ``all_gather_object``) and
+    creates every pipeline's groups, keeping its own (:meth:`new_group`)."""
 
     def __init__(self, ranks: Sequence[int] | None = None, timeout_s: float = 300.0) -> None:
         if not dist.is_initialized():
@@ -89,9 +92,9 @@ class PipeComm:
         self.size = len(self.ranks)
         self.timeout_s = float(timeout_s)
         self.backend = dist.get_backend()
-        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.pipelines = _all_pipelines(self.ranks)
         self._groups = {
-            (direction, upward): dist.new_group(self.ranks, timeout=timeout)
+            (direction, upward): self.new_group(range(self.size))
             for direction in ("F", "B")
             for upward in (True, False)
         }
@@ -101,6 +104,19 @@ class PipeComm:
         # measured bubble, once divided by the step time.
         self.wait_seconds = 0.0
         self._waiters: dict[tuple[str, int], _SendWaiter] = {}
+
+    def new_group(self, pipeline_ranks: Sequence[int]) -> dist.ProcessGroup:
+        """The process group of these pipeline ranks (indices into ``ranks``) of this pipeline.
+        Collective: the same group is created for every pipeline of the world, in one order, so
+        every process makes the same ``new_group`` calls."""
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        indices = list(pipeline_ranks)
+        mine = None
+        for pipeline in self.pipelines:
+            group = dist.new_group([pipeline[i] for i in indices], timeout=timeout)
+            if pipeline == self.ranks:
+                mine = group
+        return mine
 
     def _group(self, direction: str, sender: int, receiver: int) -> dist.ProcessGroup:
         return self._groups[(direction, receiver > sender)]
@@ -225,3 +241,17 @@ class PipeComm:
                 f"rank {self.rank}: {what} rank {peer} did not complete after {waited:.1f}s "
                 f"(timeout {self.timeout_s:.1f}s): {error}"
             ) from error
+
+
+def _all_pipelines(ranks: list[int]) -> list[list[int]]:
+    """Every pipeline of the world (rank lists, sorted), given this process's one."""
+    world = dist.get_world_size()
+    if len(ranks) == world:
+        return [ranks]
+    gathered: list[list[int] | None] = [None] * world
+    dist.all_gather_object(gathered, ranks)
+    pipelines = sorted({tuple(r) for r in gathered if r is not None})
+    covered = sorted(rank for pipeline in pipelines for rank in pipeline)
+    if covered != list(range(world)) or len({len(p) for p in pipelines}) != 1:
+        raise ValueError(f"the pipelines {pipelines} do not partition the {world} ranks into equal pipelines")
+    return [list(p) for p in pipelines]

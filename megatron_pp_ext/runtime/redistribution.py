@@ -310,9 +310,7 @@ class Redistribution:
             plan = delegation_plan(schedule, lengths, self.cap, layers)
             for link in plan_links(plan):
                 if link not in self._groups:
-                    self._groups[link] = dist.new_group(
-                        sorted(self.comm.ranks[r] for r in link), timeout=_timeout(self.comm)
-                    )
+                    self._groups[link] = self.comm.new_group(sorted(link))
             self._plans[key] = plan
         return self._plans[key]
 
@@ -322,7 +320,7 @@ class Redistribution:
             stages = schedule.placement.stages_of(self.comm.rank)
             mine = {stage: _attention_layers(chunk) for stage, chunk in zip(stages, self.chunks)}
             if self._plan_group is None:
-                self._plan_group = dist.new_group(self.comm.ranks, timeout=_timeout(self.comm))
+                self._plan_group = self.comm.new_group(range(self.comm.size))
             gathered: list[Any] = [None] * self.comm.size
             dist.all_gather_object(gathered, mine, group=self._plan_group)
             self._layers = {stage: count for part in gathered for stage, count in part.items()}
@@ -427,12 +425,6 @@ class StepRedistribution:
             context.delegating = False
         failures = [f for f in (s.failure() for s in self.services.values()) if f is not None]
         return "; ".join(failures) or None
-
-
-def _timeout(comm: PipeComm) -> Any:
-    import datetime
-
-    return datetime.timedelta(seconds=comm.timeout_s)
 
 
 def _device(chunks: Sequence[torch.nn.Module]) -> torch.device:

@@ -117,11 +117,25 @@ class WeightGradStore:
 
 
 class _DeferrableLinearFunction(torch.autograd.Function):
-    """``y = x W^T (+ b)`` whose backward defers dW (and db) when the store is collecting."""
+    """``y = x W^T (+ b)`` whose backward defers dW (and db) when the store is collecting.
+
+    Tensor parallel like Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``: with
+    ``sequence_parallel`` the input is all-gathered along the sequence (dim 0) over the TP group
+    in the forward and again in the backward (only this rank's share is saved), and the input
+    gradient is reduce-scattered; with ``allreduce_dgrad`` (TP without SP) the input gradient is
+    all-reduced. Collectives run in B only, never in W, so every TP rank issues them in the order
+    of the schedule's B ops, which is the same on all of them."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # like Megatron's linear: no-op without CUDA autocast
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore) -> Tensor:
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        store: WeightGradStore,
+        tp: _TensorParallel,
+    ) -> Tensor:
         # The parameter itself goes on ctx, not through save_for_backward: saved-tensor hooks
         # (activation accounting) would hand back an alias, and W must accumulate into the
         # parameter object. Parameters are not activations and do not change before W.
@@ -129,7 +143,9 @@ class _DeferrableLinearFunction(torch.autograd.Function):
         ctx.weight = weight
         ctx.bias = bias
         ctx.store = store
-        out = torch.matmul(x, weight.t())
+        ctx.tp = tp
+        total = _gather_sequence(x, tp.group) if tp.sequence_parallel else x
+        out = torch.matmul(total, weight.t())
         return out + bias if bias is not None else out
 
     @staticmethod
@@ -137,27 +153,64 @@ class _DeferrableLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         weight = ctx.weight
+        tp: _TensorParallel = ctx.tp
+        total = _gather_sequence(x, tp.group) if tp.sequence_parallel else x
         grad_in = grad_out.matmul(weight)
+        if tp.sequence_parallel:
+            grad_in = _reduce_scatter_sequence(grad_in, tp.group)
+        elif tp.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_in, group=tp.group)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = total.reshape(-1, total.shape[-1])
         store: WeightGradStore = ctx.store
         bias = ctx.bias
         if store.deferring:
             store.defer(DeferredGrad(weight, lambda: g2.t().matmul(x2), (g2, x2)))
             if bias is not None:
                 store.defer(DeferredGrad(bias, lambda: g2.sum(dim=0), (g2,)))
-            return grad_in, None, None, None
+            return grad_in, None, None, None, None
         grad_w = g2.t().matmul(x2)
         grad_b = g2.sum(dim=0) if bias is not None else None
-        return grad_in, grad_w, grad_b, None
+        return grad_in, grad_w, grad_b, None, None
+
+
+@dataclass(frozen=True)
+class _TensorParallel:
+    """What Megatron's linear passes to its ``_forward_impl`` about tensor parallelism."""
+
+    sequence_parallel: bool = False
+    allreduce_dgrad: bool = False
+    group: Any = None
+
+
+def _gather_sequence(x: Tensor, group: Any) -> Tensor:
+    """All-gather along dim 0 (the sequence) over the TP group, on ``x``'s device."""
+    size = group.size()
+    out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_sequence(x: Tensor, group: Any) -> Tensor:
+    """Sum over the TP group and keep this rank's share of dim 0 (the sequence)."""
+    size = group.size()
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    torch.distributed.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _tensor_parallel(kwargs: dict[str, Any]) -> _TensorParallel:
+    sequence_parallel = bool(kwargs.get("sequence_parallel"))
+    allreduce_dgrad = bool(kwargs.get("allreduce_dgrad"))
+    group = kwargs.get("tp_group")
+    if (sequence_parallel or allreduce_dgrad) and group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    return _TensorParallel(sequence_parallel, allreduce_dgrad, group)
 
 
 def _check_local(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
-    if kwargs.get("sequence_parallel") or kwargs.get("allreduce_dgrad"):
-        raise ValueError(
-            f"{type(module).__name__}: deferred weight gradients support tensor_model_parallel_size=1 "
-            "without sequence parallelism only"
-        )
     if kwargs.get("gradient_accumulation_fusion") and not hasattr(module.weight, "main_grad"):
         raise ValueError("gradient_accumulation_fusion needs the DDP wrapper's main_grad buffers")
 
@@ -175,7 +228,7 @@ def _deferrable_forward_impl(
         return base_impl(x, weight, *args, **kwargs)
     _check_local(module, kwargs)
     bias = kwargs.get("bias", args[0] if args else None)
-    return _DeferrableLinearFunction.apply(x, weight, bias, store)
+    return _DeferrableLinearFunction.apply(x, weight, bias, store, _tensor_parallel(kwargs))
 
 
 class DeferrableColumnParallelLinear(ColumnParallelLinear):

@@ -18,6 +18,11 @@ Hopper-class figure) at 50% utilisation, i.e. 200 TFLOP/s delivered. Pass your o
 
 Activation offload copies the whole saved activation of a unit over the host link, by default
 50 GB/s per direction (pinned copies over PCIe 5.0 x16).
+
+Activation bytes and p2p messages are those of one rank under Megatron's tensor, sequence and
+context parallelism (``memory_model.Parallelism``: each per-token count is split into the part
+inside the TP region and the part outside it); weights, gradients and optimizer state are in
+``memory_model.static_memory``.
 """
 
 from __future__ import annotations
@@ -26,56 +31,75 @@ from dataclasses import dataclass, field
 
 from .costs import offload_ratio
 from .ir import Op, OpKind, Schedule
+from .memory_model import FP32, Parallelism, TokenBytes
 from .models import ModelShape, get_model
 from .partition import DEFAULT_UNIT, causal_pairs, slice_lengths
 
-FP32 = 4
 
-
-def layer_activation_bytes_per_token(shape: ModelShape) -> int:
+def layer_activation_parts(shape: ModelShape) -> TokenBytes:
     """Bytes one layer saves per token for its backward (bf16 unless noted), flash attention,
-    no recompute, no tensor/sequence parallelism:
+    no recompute, split by where Megatron keeps them under tensor parallelism.
+
+    Outside the TP region (replicated over TP ranks unless sequence parallel):
 
     * attention-norm input (the residual stream) h, and its output (the QKV GEMM input) h
+    * MLP-norm input h, and its output (the gate/up or fc1 GEMM input) h
+    * the two RMSNorm reciprocal RMS values in fp32
+
+    Inside it (split over TP ranks by heads or FFN columns):
+
     * Q, K, V after RoPE: a*d + 2*g*d (GQA: K and V are g*d wide)
     * attention output O: a*d (flash attention's saved output, also the out-projection input)
     * flash-attention log-sum-exp: a values in fp32
-    * MLP-norm input h, and its output (the gate/up or fc1 GEMM input) h
     * SwiGLU: gate and up outputs 2f, down-projection input f (GeLU MLP: fc1 output f, fc2 input f)
-    * the two RMSNorm reciprocal RMS values in fp32
     """
     e = shape.bytes_per_element
-    h = shape.hidden
-    elements = 4 * h + shape.q_width + 2 * shape.kv_width + shape.q_width
-    elements += (shape.ffn_matrices - 1) * shape.ffn + shape.ffn
-    return elements * e + (shape.heads + 2) * FP32
+    inside = (2 * shape.q_width + 2 * shape.kv_width + shape.ffn_matrices * shape.ffn) * e
+    return TokenBytes(inside=inside + shape.heads * FP32, outside=4 * shape.hidden * e + 2 * FP32)
 
 
-def layer_weight_share_bytes_per_token(shape: ModelShape) -> int:
+def layer_activation_bytes_per_token(shape: ModelShape) -> int:
+    """Bytes one layer saves per token on one device (no TP/SP/CP): see :func:`layer_activation_parts`."""
+    return layer_activation_parts(shape).total
+
+
+def layer_weight_share_parts(shape: ModelShape) -> TokenBytes:
     """Bytes one layer keeps after B until W: the two operands of every weight-gradient GEMM
     (dW = dY^T X), i.e. each linear's input X and the gradient dY of its output.
 
     QKV: X h, dY a*d + 2*g*d; out projection: X a*d, dY h; gate/up (fc1): X h, dY 2f (f);
     down (fc2): X f, dY h. For a multi-head (g = a) Llama this equals the whole saved activation
-    less the fp32 extras: deferring W frees little at B, as the zero-bubble papers note.
+    less the fp32 extras: deferring W frees little at B, as the zero-bubble papers note. The four
+    h-wide operands lie outside the TP region, the rest inside.
     """
-    h = shape.hidden
-    qkv = h + shape.q_width + 2 * shape.kv_width
-    projection = shape.q_width + h
-    up = h + (shape.ffn_matrices - 1) * shape.ffn
-    down = shape.ffn + h
-    return (qkv + projection + up + down) * shape.bytes_per_element
+    e = shape.bytes_per_element
+    inside = 2 * shape.q_width + 2 * shape.kv_width + shape.ffn_matrices * shape.ffn
+    return TokenBytes(inside=inside * e, outside=4 * shape.hidden * e)
+
+
+def layer_weight_share_bytes_per_token(shape: ModelShape) -> int:
+    """Weight-gradient operands of one layer per token on one device: see :func:`layer_weight_share_parts`."""
+    return layer_weight_share_parts(shape).total
+
+
+def head_activation_parts(shape: ModelShape) -> TokenBytes:
+    """Last stage extras per token: final-norm input h and output-layer input h (bf16, outside the
+    TP region) and the softmax of the logits that cross-entropy keeps for its backward, V values in
+    fp32 (vocab-parallel: inside)."""
+    return TokenBytes(inside=shape.vocab * FP32, outside=2 * shape.hidden * shape.bytes_per_element)
 
 
 def head_activation_bytes_per_token(shape: ModelShape) -> int:
-    """Last stage extras per token: final-norm input h, output-layer input h (bf16) and the
-    softmax of the logits that cross-entropy keeps for its backward, V values in fp32."""
-    return 2 * shape.hidden * shape.bytes_per_element + shape.vocab * FP32
+    return head_activation_parts(shape).total
+
+
+def head_weight_share_parts(shape: ModelShape) -> TokenBytes:
+    """Output-layer weight gradient operands per token: its input h and the logits' gradient V."""
+    return TokenBytes(inside=shape.vocab * FP32, outside=shape.hidden * shape.bytes_per_element)
 
 
 def head_weight_share_bytes_per_token(shape: ModelShape) -> int:
-    """Output-layer weight gradient operands per token: its input h and the logits' gradient V."""
-    return shape.hidden * shape.bytes_per_element + shape.vocab * FP32
+    return head_weight_share_parts(shape).total
 
 
 def even_layers(num_layers: int, num_stages: int) -> list[int]:
@@ -88,7 +112,10 @@ def even_layers(num_layers: int, num_stages: int) -> list[int]:
 @dataclass
 class FlopCosts:
     """CostModel for ``shape`` at ``seq_length`` tokens, ``micro_batch_size`` sequences per
-    microbatch, split over ``num_stages`` virtual stages. Times in seconds, memory in bytes."""
+    microbatch, split over ``num_stages`` virtual stages. Times in seconds, memory in bytes.
+
+    ``parallel`` shards the activations and p2p messages of one rank as Megatron's TP/SP/CP do
+    (see ``memory_model.Parallelism``); op durations still count a whole layer's FLOPs."""
 
     shape: ModelShape
     seq_length: int
@@ -102,6 +129,7 @@ class FlopCosts:
     p2p_latency: float = 10e-6  # seconds per message
     host_bandwidth: float = 50e9  # bytes/s of one device's host link, each direction
     ranks_per_host: int = 1  # ranks that share one host link
+    parallel: Parallelism = field(default_factory=Parallelism)
     microbatch_activation: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -128,7 +156,7 @@ class FlopCosts:
             sum(self.layers_per_stage)
             * self.micro_batch_size
             * self.seq_length
-            * layer_activation_bytes_per_token(self.shape)
+            * self.parallel.activation(layer_activation_parts(self.shape))
         )
 
     # ---- FLOPs ---------------------------------------------------------------------------
@@ -168,27 +196,24 @@ class FlopCosts:
     def duration(self, op: Op) -> float:
         return self.flops(op) / (self.peak_flops * self.utilisation)
 
-    def _bytes(self, op: Op, per_layer: int, head: int) -> float:
-        per_token = self.layers_per_stage[op.stage] * per_layer
+    def _bytes(self, op: Op, per_layer: TokenBytes, head: TokenBytes) -> float:
+        per_token = self.layers_per_stage[op.stage] * self.parallel.activation(per_layer)
         if op.stage == self.num_stages - 1:
-            per_token += head
-        return float(per_token * self._tokens(op))
+            per_token += self.parallel.activation(head)
+        return per_token * self._tokens(op)
 
     def activation(self, op: Op) -> float:
-        return self._bytes(
-            op, layer_activation_bytes_per_token(self.shape), head_activation_bytes_per_token(self.shape)
-        )
+        return self._bytes(op, layer_activation_parts(self.shape), head_activation_parts(self.shape))
 
     def weight_share(self, op: Op) -> float:
-        return self._bytes(
-            op,
-            layer_weight_share_bytes_per_token(self.shape),
-            head_weight_share_bytes_per_token(self.shape),
-        )
+        return self._bytes(op, layer_weight_share_parts(self.shape), head_weight_share_parts(self.shape))
 
     def comm_latency(self, op: Op) -> float:
-        """One hidden-state tensor (or its gradient) of the op's slice: s*b*h elements."""
-        size = self._tokens(op) * self.shape.hidden * self.shape.bytes_per_element
+        """One hidden-state tensor (or its gradient) of the op's slice: (s / (t if SP) / c) x b x h
+        elements, the piece of it one TP/CP rank sends."""
+        size = (
+            self._tokens(op) * self.shape.hidden * self.shape.bytes_per_element / self.parallel.sequence_split
+        )
         return size / self.p2p_bandwidth + self.p2p_latency
 
     def offload_bytes(self, op: Op) -> float:
@@ -216,6 +241,8 @@ def flop_costs_for(
     micro_batch_size: int = 1,
     partition: str = "uniform",
     unit: int = DEFAULT_UNIT,
+    parallel: Parallelism | None = None,
+    layers_per_stage: list[int] | None = None,
     **options: float,
 ) -> FlopCosts:
     """FlopCosts sized for ``schedule`` (its stages and slices), cutting the sequence the way
@@ -228,5 +255,7 @@ def flop_costs_for(
         num_stages=schedule.num_stages,
         micro_batch_size=micro_batch_size,
         slice_lengths=lengths,
+        layers_per_stage=layers_per_stage,
+        parallel=parallel or Parallelism(),
         **options,  # type: ignore[arg-type]
     )
