@@ -84,3 +84,13 @@ def batches(
             "loss_mask": torch.ones(micro_batch_size, seq_length),
             "position_ids": positions,
         }
+
+
+def data_parallel_share(
+    stream: Iterator[dict[str, torch.Tensor]], dp: int, dp_rank: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Every ``dp``-th microbatch of ``stream`` from ``dp_rank`` on: Megatron's pretraining sampler
+    hands data-parallel rank d the d-th micro batch of each group of DP consecutive ones."""
+    for index, batch in enumerate(stream):
+        if index % dp == dp_rank:
+            yield batch

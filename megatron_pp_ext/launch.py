@@ -68,7 +68,7 @@ def run(worker: Callable[..., Any], world_size: int, *args: Any) -> None:
         if world != world_size:
             raise ValueError(
                 f"the launcher started {world} processes but the job needs {world_size} "
-                f"(--pp {world_size}); start it with {world_size} processes"
+                f"(TP x PP x DP); start it with {world_size} processes"
             )
         worker(rank, world, local_rank, *args)
         return

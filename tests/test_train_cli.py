@@ -39,10 +39,72 @@ def test_bad_input_fails_before_training(args: list[str], flag: str) -> None:
     assert "train:" not in done.stdout  # no progress bar: nothing started
 
 
-def test_world_size_from_the_launcher_must_match_pp() -> None:
-    done = train("--pp", "4", env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, timeout=120)
+@pytest.mark.parametrize(
+    ("args", "flag", "words"),
+    [
+        (["--sequence-parallel"], "--sequence-parallel", "needs --tensor-model-parallel-size > 1"),
+        (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size", "does not divide"),
+        (["--context-parallel-size", "2"], "--context-parallel-size", "not supported yet"),
+        (["--global-batch-size", "7"], "--global-batch-size", "multiple of --micro-batch-size"),
+        (
+            ["--seq-length", "127", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            "--seq-length",
+            "not divisible",
+        ),
+        (["--data-parallel-size", "0"], "--data-parallel-size", "at least 1"),
+    ],
+)
+def test_bad_parallel_layouts_fail_before_training(args: list[str], flag: str, words: str) -> None:
+    done = train(*args, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert flag in last and words in last, last
+
+
+def test_world_size_from_the_launcher_must_be_a_multiple_of_tp_x_pp() -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "6", "LOCAL_RANK": "0"}
+    done = train("--pipeline-model-parallel-size", "4", env=env, timeout=120)
     assert done.returncode == 2
-    assert "--pp" in done.stderr and "2 processes" in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "--pipeline-model-parallel-size" in last and "6 processes" in last, last
+    done = train("--pp", "2", "--data-parallel-size", "2", env=env, timeout=120)
+    assert done.returncode == 2
+    assert "--data-parallel-size" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_tensor_sequence_and_data_parallel_runs_give_the_pipeline_only_losses(tmp_path) -> None:
+    """The same global batch at TP1 x PP2, TP2 x PP2 with sequence parallelism, and PP2 x DP2 with
+    the distributed optimizer's layout and overlapped reduce: the same losses, step by step."""
+    common = ["--pp-schedule", "zb-h1", "--train-iters", "2", "--global-batch-size", "8", "--num-layers", "4"]
+    layouts = {
+        "tp1": ["--pipeline-model-parallel-size", "2"],
+        "tp2-sp": [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--pipeline-model-parallel-size",
+            "2",
+        ],
+        "dp2": [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--data-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+        ],
+    }
+    losses = {}
+    for name, layout in layouts.items():
+        metrics = tmp_path / f"{name}.jsonl"
+        done = train(*layout, *common, "--metrics", str(metrics), timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses["tp1"]) == 2
+    for name in ("tp2-sp", "dp2"):
+        for got, want in zip(losses[name], losses["tp1"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (name, losses)
 
 
 @pytest.mark.slow

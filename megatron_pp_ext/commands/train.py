@@ -24,13 +24,13 @@ import yaml
 from ..megatron.hook import OptionError, PipelineOptions, add_args
 from .errors import UsageError
 
-# The generator's flag names as this command spells them.
+# The generator's flag names as this command spells them (Megatron's names where it has one).
 TRAIN_FLAGS = {
     "--schedule": "--pp-schedule",
     "--vpp": "--pp-chunks",
     "--slices": "--pp-seq-slices",
     "--microbatches": "--microbatches",
-    "--pp": "--pp",
+    "--pp": "--pipeline-model-parallel-size",
     "--memory-limit": "--pp-memory-limit",
 }
 
@@ -44,7 +44,14 @@ class TrainSettings:
 
     model: dict[str, Any]
     pp: int = 4
-    microbatches: int = 8
+    tp: int = 1
+    dp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    microbatches: int = 8  # per data-parallel rank: global batch / (micro batch size x DP)
+    global_batch_size: int | None = None
     micro_batch_size: int = 4
     iterations: int = 40
     lr: float = 3e-3
@@ -69,12 +76,46 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--config", default=DEFAULT_CONFIG, help=f"YAML file or a name in configs/ (default {DEFAULT_CONFIG})"
     )
-    parser.add_argument("--pp", type=int, help="pipeline ranks (processes)")
-    parser.add_argument("--microbatches", type=int, help="microbatches per iteration")
+    # Megatron's names (a command line moves to pretrain_gpt.py unchanged); --pp, --iterations
+    # and --microbatches are this command's older spellings, kept as aliases.
+    parser.add_argument(
+        "--pipeline-model-parallel-size", "--pp", dest="pp", type=int, help="pipeline ranks (alias --pp)"
+    )
+    parser.add_argument("--tensor-model-parallel-size", dest="tp", type=int, help="tensor-parallel ranks")
+    parser.add_argument(
+        "--sequence-parallel", action="store_true", default=None, help="sequence parallelism (needs TP > 1)"
+    )
+    parser.add_argument(
+        "--context-parallel-size", dest="cp", type=int, help="context-parallel ranks (not supported yet)"
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        dest="dp",
+        type=int,
+        help="data-parallel replicas when train starts the processes itself (under torchrun/srun: "
+        "world size / (TP x PP))",
+    )
+    parser.add_argument(
+        "--global-batch-size", type=int, help="sequences per iteration over all data-parallel ranks"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        help="microbatches per iteration per data-parallel rank (instead of --global-batch-size)",
+    )
     parser.add_argument("--micro-batch-size", type=int, help="sequences per microbatch")
     parser.add_argument("--seq-length", type=int, help="tokens per sequence")
     parser.add_argument("--num-layers", type=int, help="transformer layers")
-    parser.add_argument("--iterations", type=int, help="optimizer steps")
+    parser.add_argument("--train-iters", "--iterations", dest="iterations", type=int, help="optimizer steps")
+    parser.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        default=None,
+        help="the distributed optimizer's gradient layout (reduce-scatter over DP)",
+    )
+    parser.add_argument(
+        "--overlap-grad-reduce", action="store_true", default=None, help="overlap the DP gradient reduction"
+    )
     parser.add_argument("--lr", type=float, help="peak learning rate")
     parser.add_argument("--seed", type=int, help="random seed (weights and data)")
     parser.add_argument("--data", help="a text file to train on (default: Python stdlib docstrings)")
@@ -96,12 +137,21 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
     pipeline = dict(raw.get("pipeline", {}))
     overrides = {
         "pp": args.pp,
+        "tp": args.tp,
+        "dp": args.dp,
+        "cp": args.cp,
+        "sequence_parallel": args.sequence_parallel,
+        "use_distributed_optimizer": args.use_distributed_optimizer,
+        "overlap_grad_reduce": args.overlap_grad_reduce,
         "microbatches": args.microbatches,
+        "global_batch_size": args.global_batch_size,
         "micro_batch_size": args.micro_batch_size,
         "iterations": args.iterations,
         "lr": args.lr,
         "seed": args.seed,
     }
+    if args.global_batch_size is not None and args.microbatches is None:
+        training.pop("microbatches", None)  # the global batch size decides
     training.update({key: value for key, value in overrides.items() if value is not None})
     if args.seq_length is not None:
         model["seq_length"] = args.seq_length
@@ -128,18 +178,49 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
     )
 
 
+def resolve_layout(settings: TrainSettings, launcher_world_size: int | None) -> TrainSettings:
+    """Data-parallel size and microbatches per rank, as Megatron derives them: DP = world /
+    (TP x PP) under a launcher (``--data-parallel-size`` otherwise), microbatches = global batch
+    / (micro batch size x DP)."""
+    pp_flag, tp_flag = "--pipeline-model-parallel-size", "--tensor-model-parallel-size"
+    for flag, size in ((pp_flag, settings.pp), (tp_flag, settings.tp), ("--data-parallel-size", settings.dp)):
+        if size < 1:
+            raise UsageError(flag, f"needs at least 1, got {size}")
+    if launcher_world_size is not None:
+        model_parallel = settings.tp * settings.pp
+        if launcher_world_size % model_parallel:
+            raise UsageError(
+                pp_flag,
+                f"the launcher started {launcher_world_size} processes, not a multiple of {tp_flag} x "
+                f"{pp_flag} = {settings.tp} x {settings.pp}; start a multiple of {model_parallel} processes",
+            )
+        settings = dataclasses.replace(settings, dp=launcher_world_size // model_parallel)
+    if settings.global_batch_size is not None:
+        per_step = settings.micro_batch_size * settings.dp
+        if settings.global_batch_size % per_step or settings.global_batch_size < per_step:
+            raise UsageError(
+                "--global-batch-size",
+                f"{settings.global_batch_size} is not a positive multiple of --micro-batch-size x DP "
+                f"= {settings.micro_batch_size} x {settings.dp}",
+            )
+        settings = dataclasses.replace(settings, microbatches=settings.global_batch_size // per_step)
+    return settings
+
+
 def check(settings: TrainSettings) -> None:
     """Every check that can fail before processes start, each naming its flag."""
     from ..megatron.model import ModelConfig, split_layers
 
-    if settings.pp < 1:
-        raise UsageError("--pp", f"needs at least 1 pipeline rank, got {settings.pp}")
     try:
         model = ModelConfig(**settings.model)
     except (TypeError, ValueError) as error:
         raise UsageError("--config", f"model section: {error}") from None
+    _check_parallel(settings, model)
+    flags = dict(TRAIN_FLAGS)
+    if settings.global_batch_size is not None:
+        flags["--microbatches"] = "--global-batch-size"
     try:
-        schedule = settings.pipeline.schedule_for(settings.pp, settings.microbatches, TRAIN_FLAGS)
+        schedule = settings.pipeline.schedule_for(settings.pp, settings.microbatches, flags)
     except OptionError as error:
         raise UsageError(error.flag, error.reason) from None
     try:
@@ -147,25 +228,61 @@ def check(settings: TrainSettings) -> None:
     except ValueError as error:
         raise UsageError(
             "--num-layers",
-            f"{error} ({settings.pipeline.schedule} on --pp {settings.pp} has {schedule.num_stages} "
-            f"virtual stages; use a --num-layers of at least {schedule.num_stages})",
+            f"{error} ({settings.pipeline.schedule} on {settings.pp} pipeline ranks has "
+            f"{schedule.num_stages} virtual stages; use a --num-layers of at least {schedule.num_stages})",
         ) from None
     if schedule.slices > 1:
         try:
-            settings.pipeline.slice_lengths(schedule, model.seq_length, model.shape(), TRAIN_FLAGS)
+            lengths = settings.pipeline.slice_lengths(schedule, model.seq_length, model.shape(), TRAIN_FLAGS)
         except OptionError as error:
             raise UsageError(error.flag, error.reason) from None
+        if settings.sequence_parallel and any(length % settings.tp for length in lengths):
+            raise UsageError(
+                "--pp-seq-slices",
+                f"slices of {list(lengths)} tokens cannot be split over {settings.tp} tensor-parallel "
+                "ranks (sequence parallelism): use fewer slices or a longer --seq-length",
+            )
+
+
+def _check_parallel(settings: TrainSettings, model: Any) -> None:
+    """Tensor, sequence and context parallelism the model and runtime can take."""
+    tp_flag = "--tensor-model-parallel-size"
+    if settings.cp != 1:
+        raise UsageError(
+            "--context-parallel-size",
+            f"context parallelism is not supported yet (got {settings.cp}); use 1",
+        )
+    if settings.sequence_parallel and settings.tp == 1:
+        raise UsageError("--sequence-parallel", f"needs {tp_flag} > 1, or drop --sequence-parallel")
+    for what, count in (
+        ("attention heads", model.num_attention_heads),
+        ("KV heads (num_kv_heads)", model.num_kv_heads),
+        ("vocabulary", model.vocab_size),
+        ("FFN width", model.ffn_hidden_size),
+    ):
+        if count % settings.tp:
+            raise UsageError(tp_flag, f"{settings.tp} does not divide the model's {count} {what}")
+    if settings.sequence_parallel and model.seq_length % settings.tp:
+        raise UsageError(
+            "--seq-length",
+            f"{model.seq_length} is not divisible by {tp_flag} {settings.tp} (sequence parallelism)",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     from .. import launch
 
     settings = load_settings(args)
-    check(settings)
     world = launch.launcher_world()
-    if world is not None and world[1] != settings.pp:
-        raise UsageError("--pp", f"the launcher started {world[1]} processes for --pp {settings.pp}")
-    launch.run(worker, settings.pp, settings)
+    if world is not None and args.dp is not None and world[1] != settings.tp * settings.pp * args.dp:
+        raise UsageError(
+            "--data-parallel-size",
+            f"the launcher started {world[1]} processes; DP under a launcher is world / (TP x PP), "
+            "drop --data-parallel-size",
+        )
+    settings = resolve_layout(settings, None if world is None else world[1])
+    check(settings)
+    launch.run(worker, settings.tp * settings.pp * settings.dp, settings)
     return 0
 
 
@@ -175,36 +292,64 @@ def run(args: argparse.Namespace) -> int:
 def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings) -> None:
     import torch
     import torch.distributed as dist
-    from megatron.core import pipeline_parallel
+    from megatron.core import parallel_state, pipeline_parallel
+    from megatron.core.distributed import DistributedDataParallelConfig
 
     from .. import data, launch
-    from ..megatron import install
+    from ..megatron import cpu_shim, install
+    from ..megatron.ddp import wrap_chunks, zero_grad_buffers
     from ..megatron.model import ModelConfig, build_chunks_from, build_reference, init_parallel_state
+    from ..megatron.optimizer import OptimizerSettings, build_optimizer, optimizer_step
 
     device = launch.init_distributed(rank, world_size, local_rank, settings.timeout)
-    init_parallel_state(settings.pp)
+    cpu_shim.install()  # no-op with CUDA
+    init_parallel_state(settings.pp, settings.tp)
     hook = install(options=settings.pipeline)
     schedule = hook.schedule(settings.pp, settings.microbatches)
-    model = ModelConfig(**settings.model)
+    extra = {**settings.model.get("extra", {}), "sequence_parallel": settings.sequence_parallel}
+    model_config = ModelConfig(**{**settings.model, "extra": extra})
+    pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    dp_group = parallel_state.get_data_parallel_group()
+    dp_rank = parallel_state.get_data_parallel_rank()
 
-    # Same weights whatever the schedule: every stage copies its layers from one seeded model.
+    # Same weights whatever the schedule and layout: every stage copies its layers (its TP shard)
+    # from one seeded model.
     torch.manual_seed(settings.seed)
-    reference = build_reference(model)
-    chunks, _ = build_chunks_from(reference, model, schedule.placement, rank, sliced=schedule.slices > 1)
+    reference = build_reference(model_config)
+    chunks, _ = build_chunks_from(
+        reference, model_config, schedule.placement, pipeline_rank, sliced=schedule.slices > 1
+    )
     del reference
-    optimizer, schedule_lr = build_optimizer(chunks, settings)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=settings.overlap_grad_reduce,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+    )
+    model = wrap_chunks(chunks, ddp_config)
+    optimizer = build_optimizer(
+        model,
+        OptimizerSettings(lr=settings.lr, weight_decay=settings.weight_decay, clip_grad=settings.clip_grad),
+        bf16=model_config.dtype == "bfloat16",
+    )
 
     tokens = data.encode(data.load_text(settings.data))
     train_tokens, _ = data.split_train_valid(tokens)
     # One iterator per chunk, same seed: the chunk holding the embedding reads tokens, the one
-    # holding the loss reads labels, of the same microbatches.
+    # holding the loss reads labels, of the same microbatches. Each data-parallel rank takes every
+    # DP-th microbatch of the one stream (Megatron's sampler order), so the global batch is the
+    # same at every DP size.
     iterators = [
-        data.batches(train_tokens, model.seq_length, settings.micro_batch_size, settings.seed) for _ in chunks
+        data.data_parallel_share(
+            data.batches(train_tokens, model_config.seq_length, settings.micro_batch_size, settings.seed),
+            settings.dp,
+            dp_rank,
+        )
+        for _ in chunks
     ]
 
-    is_loss_rank = schedule.loss_rank == rank
-    progress = _progress(settings.iterations, show=is_loss_rank)
-    metrics_file = open(settings.metrics, "w") if settings.metrics and is_loss_rank else None
+    is_loss_rank = schedule.loss_rank == pipeline_rank
+    shows = is_loss_rank and dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+    progress = _progress(settings.iterations, show=shows)
+    metrics_file = open(settings.metrics, "w") if settings.metrics and shows else None
     step_times: list[float] = []
     bubbles: list[float] = []
     peak_activation = 0
@@ -212,22 +357,21 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
     attention: tuple[int, int, int] | None = None  # own, served, handed away: last step
     for iteration in range(1, settings.iterations + 1):
         for group in optimizer.param_groups:
-            group["lr"] = schedule_lr(iteration)
-        optimizer.zero_grad(set_to_none=True)
+            group["lr"] = learning_rate(settings, iteration)
+        zero_grad_buffers(model)
         dist.barrier()
         start = time.perf_counter()
         forward_backward_func = pipeline_parallel.get_forward_backward_func()
         losses = forward_backward_func(
             forward_step_func=forward_step,
             data_iterator=iterators,
-            model=chunks,
+            model=model,
             num_microbatches=settings.microbatches,
-            seq_length=model.seq_length,
+            seq_length=model_config.seq_length,
             micro_batch_size=settings.micro_batch_size,
             forward_only=False,
         )
-        grad_norm = clip_grad_norm(chunks, settings.clip_grad)
-        optimizer.step()
+        grad_norm = optimizer_step(optimizer)
         elapsed = time.perf_counter() - start
         result = hook.last_result
         step_times.append(elapsed)
@@ -237,8 +381,10 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
         if result.attention is not None:
             attention = result.attention.totals()
         if is_loss_rank:
-            total, tokens = (sum(item["lm loss"][i] for item in losses) for i in (0, 1))
-            loss = float(total / tokens)
+            # the loss of the whole global batch: token-weighted over the data-parallel ranks
+            sums = torch.stack([sum(item["lm loss"][i] for item in losses) for i in (0, 1)]).double()
+            dist.all_reduce(sums, group=dp_group)
+            loss = float(sums[0] / sums[1])
             progress.set_postfix(loss=f"{loss:.3f}", step=f"{elapsed:.2f}s", gnorm=f"{grad_norm:.2f}")
             progress.update(1)
             if metrics_file:
@@ -281,45 +427,12 @@ def loss_func(loss_mask: Any, output: Any) -> tuple[Any, Any, dict[str, Any]]:
     return loss, num_tokens, {"lm loss": torch.stack([loss.detach().clone(), num_tokens.to(loss.dtype)])}
 
 
-def build_optimizer(chunks: list[Any], settings: TrainSettings) -> tuple[Any, Any]:
-    """AdamW over this rank's chunks with linear warm-up and cosine decay.
-
-    megatron-core's DistributedDataParallel and optimizer allocate on ``torch.cuda`` in their
-    constructors (``_ParamAndGradBuffer``, ``FP32Optimizer``), so they cannot run on CPU; the
-    gradients our runtime produces are the same either way (``.grad``)."""
-    import torch
-
-    params = [param for chunk in chunks for param in chunk.parameters() if param.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95)
-    )
-
-    def learning_rate(iteration: int) -> float:
-        if iteration <= settings.warmup:
-            return settings.lr * iteration / max(1, settings.warmup)
-        progress = (iteration - settings.warmup) / max(1, settings.iterations - settings.warmup)
-        return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1 + math.cos(math.pi * progress))
-
-    return optimizer, learning_rate
-
-
-def clip_grad_norm(chunks: list[Any], max_norm: float) -> float:
-    """Clip by the gradient norm of the whole model: squares are summed over the pipeline."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    grads = [p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in grads:
-        total += grad.double().pow(2).sum()
-    dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    norm = float(total.sqrt())
-    if max_norm > 0 and norm > max_norm:
-        for grad in grads:
-            grad.mul_(max_norm / (norm + 1e-6))
-    return norm
+def learning_rate(settings: TrainSettings, iteration: int) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr``."""
+    if iteration <= settings.warmup:
+        return settings.lr * iteration / max(1, settings.warmup)
+    progress = (iteration - settings.warmup) / max(1, settings.iterations - settings.warmup)
+    return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def _progress(total: int, show: bool) -> Any:
@@ -357,8 +470,10 @@ def _report(
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if rank == 0:
+        sp = " sp" if settings.sequence_parallel else ""
         print(
-            f"\n{schedule.name}: pp={settings.pp} m={settings.microbatches} v={schedule.vpp} "
+            f"\n{schedule.name}: pp={settings.pp} tp={settings.tp}{sp} "
+            f"dp={settings.dp} m={settings.microbatches} v={schedule.vpp} "
             f"k={schedule.slices}, steady-state per rank:"
         )
         for item in rows:

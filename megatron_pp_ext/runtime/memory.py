@@ -206,7 +206,10 @@ def stage_op_memory(
 ) -> list[OpMemory]:
     """:func:`measure_op_memory` for every virtual stage of ``model`` (a ``ModelConfig``) on
     random tokens, each stage built fresh: what one F keeps and what its W still holds after B,
-    per stage, to calibrate the simulator. Needs Megatron's parallel state (one rank is enough)."""
+    per stage, to calibrate the simulator. Needs Megatron's parallel state (one rank is enough
+    at TP=1; under TP every rank of the TP group must call it, as its stages run TP collectives).
+    Under sequence parallelism a stage input holds this rank's 1/TP of the sequence, as in the
+    pipeline."""
     from ..megatron.model import build_stage, split_layers
 
     layers = split_layers(model.num_layers, num_stages, layers_per_stage)
@@ -224,8 +227,10 @@ def stage_op_memory(
 
         stage_input = None
         if stage > 0:
+            config = chunk.config
+            share = config.tensor_model_parallel_size if config.sequence_parallel else 1
             stage_input = torch.randn(
-                model.seq_length, micro_batch_size, model.hidden_size, generator=generator
+                model.seq_length // share, micro_batch_size, model.hidden_size, generator=generator
             ).to(device=device, dtype=model.torch_dtype)
         results.append(measure_op_memory(chunk, run_forward, stage_input))
     return results
