@@ -31,6 +31,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..schedule.memory_model import stage_layers
 from ..schedule.models import ModelShape
 from .layer_spec import block_spec, layer_spec
 
@@ -169,16 +170,7 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] |
         if min(layers_per_stage) < 1:
             raise ValueError(f"every stage needs at least one layer, got {layers_per_stage}")
         return list(layers_per_stage)
-    if num_layers < num_stages:
-        raise ValueError(f"{num_layers} layers cannot fill {num_stages} stages (at least one layer each)")
-    base, extra = divmod(num_layers, num_stages)
-    counts = [base] * num_stages
-    order = (
-        list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
-    )
-    for stage in order[:extra]:
-        counts[stage] += 1
-    return counts
+    return stage_layers(num_layers, num_stages)  # the schedule core's rule, so its memory model agrees
 
 
 def layer_offsets(layers_per_stage: list[int]) -> list[int]:

@@ -123,8 +123,10 @@ class _DeferrableLinearFunction(torch.autograd.Function):
     ``sequence_parallel`` the input is all-gathered along the sequence (dim 0) over the TP group
     in the forward and again in the backward (only this rank's share is saved), and the input
     gradient is reduce-scattered; with ``allreduce_dgrad`` (TP without SP) the input gradient is
-    all-reduced. Collectives run in B only, never in W, so every TP rank issues them in the order
-    of the schedule's B ops, which is the same on all of them."""
+    all-reduced. A deferred weight gradient keeps only this rank's share of the input and gathers
+    it again in W (as Megatron's own backward re-gathers it), so the B/W split costs no more
+    memory under SP than Megatron's schedules do. Every TP rank of a stage runs the same op list,
+    so these collectives come in the same order on all of them, in B as in W."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # like Megatron's linear: no-op without CUDA autocast
@@ -154,22 +156,26 @@ class _DeferrableLinearFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         weight = ctx.weight
         tp: _TensorParallel = ctx.tp
-        total = _gather_sequence(x, tp.group) if tp.sequence_parallel else x
         grad_in = grad_out.matmul(weight)
         if tp.sequence_parallel:
             grad_in = _reduce_scatter_sequence(grad_in, tp.group)
         elif tp.allreduce_dgrad:
             torch.distributed.all_reduce(grad_in, group=tp.group)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = total.reshape(-1, total.shape[-1])
         store: WeightGradStore = ctx.store
         bias = ctx.bias
-        if store.deferring:
-            store.defer(DeferredGrad(weight, lambda: g2.t().matmul(x2), (g2, x2)))
+        if store.deferring:  # W gathers again: only this rank's sequence share waits for it
+            if tp.output_sequence_parallel:
+                # A row-parallel linear under SP: its output gradient is the all-gather of the
+                # next op's, the same on every TP rank; keep one share, W gathers it back.
+                share = grad_out.chunk(tp.group.size(), dim=0)[tp.group.rank()].clone()  # own storage
+                store.defer(DeferredGrad(weight, lambda: _weight_grad_gathered(share, x, tp), (share, x)))
+            else:
+                store.defer(DeferredGrad(weight, lambda: _weight_grad(g2, x, tp), (g2, x)))
             if bias is not None:
                 store.defer(DeferredGrad(bias, lambda: g2.sum(dim=0), (g2,)))
             return grad_in, None, None, None, None
-        grad_w = g2.t().matmul(x2)
+        grad_w = _weight_grad(g2, x, tp)
         grad_b = g2.sum(dim=0) if bias is not None else None
         return grad_in, grad_w, grad_b, None, None
 
@@ -178,9 +184,22 @@ class _DeferrableLinearFunction(torch.autograd.Function):
 class _TensorParallel:
     """What Megatron's linear passes to its ``_forward_impl`` about tensor parallelism."""
 
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # gather the input along the sequence (column-parallel)
     allreduce_dgrad: bool = False
     group: Any = None
+    output_sequence_parallel: bool = False  # the output is reduce-scattered (row-parallel under SP)
+
+
+def _weight_grad(grad_out_2d: Tensor, x: Tensor, tp: _TensorParallel) -> Tensor:
+    """dW = dY^T X, with X gathered over the sequence first under SP."""
+    total = _gather_sequence(x, tp.group) if tp.sequence_parallel else x
+    return grad_out_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+
+
+def _weight_grad_gathered(grad_out_share: Tensor, x: Tensor, tp: _TensorParallel) -> Tensor:
+    """dW = dY^T X of a row-parallel linear under SP, dY gathered over the sequence first."""
+    grad_out = _gather_sequence(grad_out_share, tp.group)
+    return _weight_grad(grad_out.reshape(-1, grad_out.shape[-1]), x, tp)
 
 
 def _gather_sequence(x: Tensor, group: Any) -> Tensor:
@@ -199,15 +218,18 @@ def _reduce_scatter_sequence(x: Tensor, group: Any) -> Tensor:
     return out
 
 
-def _tensor_parallel(kwargs: dict[str, Any]) -> _TensorParallel:
+def _tensor_parallel(module: torch.nn.Module, kwargs: dict[str, Any]) -> _TensorParallel:
     sequence_parallel = bool(kwargs.get("sequence_parallel"))
     allreduce_dgrad = bool(kwargs.get("allreduce_dgrad"))
+    output_sequence_parallel = isinstance(module, RowParallelLinear) and bool(
+        getattr(module, "sequence_parallel", False)
+    )
     group = kwargs.get("tp_group")
-    if (sequence_parallel or allreduce_dgrad) and group is None:
+    if (sequence_parallel or allreduce_dgrad or output_sequence_parallel) and group is None:
         from megatron.core import parallel_state
 
         group = parallel_state.get_tensor_model_parallel_group()
-    return _TensorParallel(sequence_parallel, allreduce_dgrad, group)
+    return _TensorParallel(sequence_parallel, allreduce_dgrad, group, output_sequence_parallel)
 
 
 def _check_local(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
@@ -228,7 +250,7 @@ def _deferrable_forward_impl(
         return base_impl(x, weight, *args, **kwargs)
     _check_local(module, kwargs)
     bias = kwargs.get("bias", args[0] if args else None)
-    return _DeferrableLinearFunction.apply(x, weight, bias, store, _tensor_parallel(kwargs))
+    return _DeferrableLinearFunction.apply(x, weight, bias, store, _tensor_parallel(module, kwargs))
 
 
 class DeferrableColumnParallelLinear(ColumnParallelLinear):
