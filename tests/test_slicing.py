@@ -186,6 +186,6 @@ def test_train_names_the_slice_flag_before_processes_start() -> None:
 def test_long_context_config_trains() -> None:
     done = train("--config", "tiny-llama-long", "--iterations", "3", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "slimpipe: pp=4 m=4 v=1 k=8" in done.stdout, done.stdout[-2000:]
+    assert "slimpipe: pp=4 tp=1 dp=1 m=4 v=1 k=8" in done.stdout, done.stdout[-2000:]
     for rank in range(4):
         assert f"rank {rank}: step" in done.stdout

@@ -5,10 +5,11 @@ Entry points: :class:`PipelineRuntime` (built once per rank with its chunks and 
 :func:`forward_backward` (the same with Megatron's ``forward_backward_func`` arguments)::
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    init_parallel_state(pp)                               # TP=1, PP=pp: DP never spans stages
+    init_parallel_state(pp, tp)                           # TP x PP x DP from Megatron's parallel_state
     schedule = generate("zb-h1", pp, microbatches)
     chunks = build_chunks(model_config, schedule.placement, rank)   # GPTModel per virtual stage
-    runtime = PipelineRuntime(chunks, PipeComm(timeout_s=300), (seq, micro_batch, hidden), dtype)
+    pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    runtime = PipelineRuntime(chunks, PipeComm(pipeline, timeout_s=300), (seq, micro_batch, hidden), dtype)
     result = runtime.step(schedule, forward_step_func, [iter(data) for _ in chunks])
     optimizer.step()                                      # grads are in .grad / .main_grad
 

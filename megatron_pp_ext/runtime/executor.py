@@ -16,7 +16,9 @@ OFFLOAD/RELOAD ops move a unit's saved activations to host memory and back (``of
 Schedules with sequence slices cut each microbatch as ``slicing.py`` says: the chunks need sliced
 attention (``build_chunks(..., sliced=True)``), messages have the slice's shape. With
 ``attn_redistribution`` > 0 heavy slices hand their oldest K/V to a partner rank
-(``redistribution.py``).
+(``redistribution.py``). Chunks wrapped in megatron-core's DDP are driven through the model
+config's ``no_sync_func`` / ``grad_sync_func`` / ``param_sync_func`` (``grad_sync.py``); under
+sequence parallelism messages carry this rank's 1/TP of the sequence.
 """
 
 from __future__ import annotations
