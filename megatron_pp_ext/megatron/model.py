@@ -116,7 +116,7 @@ def transformer_config(model: ModelConfig, num_layers: int | None = None) -> Tra
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        tensor_model_parallel_size=_parallel_size("tensor"),
+        tensor_model_parallel_size=_tensor_parallel_size(),
         pipeline_model_parallel_size=1,
     )
     fields.update(model.extra)
@@ -124,14 +124,12 @@ def transformer_config(model: ModelConfig, num_layers: int | None = None) -> Tra
     return TransformerConfig(**fields)
 
 
-def _parallel_size(kind: str) -> int:
-    """This process's tensor (or context) parallel size from Megatron's parallel state; 1 when
-    it is not initialised (a single-process model)."""
+def _tensor_parallel_size() -> int:
+    """This process's tensor-parallel size from Megatron's parallel state; 1 when it is not
+    initialised (a single-process model)."""
     if not parallel_state.model_parallel_is_initialized():
         return 1
-    if kind == "tensor":
-        return parallel_state.get_tensor_model_parallel_world_size()
-    return parallel_state.get_context_parallel_world_size()
+    return parallel_state.get_tensor_model_parallel_world_size()
 
 
 def check_supported(config: Any) -> None:
@@ -139,10 +137,10 @@ def check_supported(config: Any) -> None:
     runtime does the pipelining); its tensor-parallel size must be the parallel state's, sequence
     parallelism needs TP > 1, and context parallelism is not supported yet."""
     tp = getattr(config, "tensor_model_parallel_size", 1)
-    if tp != _parallel_size("tensor"):
+    if tp != _tensor_parallel_size():
         raise ValueError(
             f"tensor_model_parallel_size={tp} but Megatron's parallel state has "
-            f"TP={_parallel_size('tensor')}: initialise it with init_parallel_state(pp, tp={tp})"
+            f"TP={_tensor_parallel_size()}: initialise it with init_parallel_state(pp, tp={tp})"
         )
     for name, count in (
         ("num_attention_heads", config.num_attention_heads),
