@@ -67,9 +67,9 @@ def measure_worker(rank: int, world: int, tp: int, layouts: list[bool], names: l
     from megatron.core import parallel_state
 
     from megatron_pp_ext.megatron import cpu_shim
+    from megatron_pp_ext.megatron.calibration import stage_op_memory
     from megatron_pp_ext.megatron.model import build_chunks, init_parallel_state
     from megatron_pp_ext.runtime import PipeComm, PipelineRuntime
-    from megatron_pp_ext.runtime.memory import stage_op_memory
     from megatron_pp_ext.schedule.generators import generate
 
     cpu_shim.install()

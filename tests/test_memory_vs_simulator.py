@@ -18,9 +18,9 @@ PP, MICROBATCHES, LAYERS = 4, 8, 8
 
 
 def measure_worker(rank: int, world: int, names: list[str]) -> dict:
+    from megatron_pp_ext.megatron.calibration import stage_op_memory
     from megatron_pp_ext.megatron.model import build_chunks, init_parallel_state
     from megatron_pp_ext.runtime import PipeComm, PipelineRuntime
-    from megatron_pp_ext.runtime.memory import stage_op_memory
     from megatron_pp_ext.schedule.generators import generate
 
     init_parallel_state(world)

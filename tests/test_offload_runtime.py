@@ -287,8 +287,8 @@ def hook_step(rank: int, world: int, batches, reference, ref_grads, ref_losses) 
 
 def stage_probes(model_cfg, num_stages: int) -> list[tuple[int, int, int]]:
     """(F keeps, W needs after B, one OFFLOAD frees) per stage, each stage built fresh."""
+    from megatron_pp_ext.megatron.calibration import stage_op_memory
     from megatron_pp_ext.megatron.model import build_stage, split_layers
-    from megatron_pp_ext.runtime.memory import stage_op_memory
     from megatron_pp_ext.runtime.offload_probe import measure_offload
 
     memory = stage_op_memory(model_cfg, num_stages, micro_batch_size=MICRO_BATCH)

@@ -149,7 +149,7 @@ def _op_memory() -> list[dict]:
 
 
 def _stage_op_memory() -> list[dict]:
-    from megatron_pp_ext.runtime.memory import stage_op_memory
+    from megatron_pp_ext.megatron.calibration import stage_op_memory
 
     model = tiny_model(6)
     return [m.__dict__ for m in stage_op_memory(model, 4, micro_batch_size=2, layers_per_stage=[1, 1, 2, 2])]

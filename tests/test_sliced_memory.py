@@ -40,9 +40,9 @@ def model_config():
 
 
 def memory_worker(rank: int, world: int) -> dict:
+    from megatron_pp_ext.megatron.calibration import stage_op_memory, stage_slice_memory
     from megatron_pp_ext.megatron.model import build_chunks, init_parallel_state
     from megatron_pp_ext.runtime import PipeComm, PipelineRuntime
-    from megatron_pp_ext.runtime.memory import stage_op_memory, stage_slice_memory
     from megatron_pp_ext.runtime.offload_probe import measure_slice_offload
     from megatron_pp_ext.schedule.partition import uniform_slices
 

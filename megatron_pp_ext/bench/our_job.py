@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..commands.train import forward_step
 from ..megatron.model import ModelConfig, build_chunks_from
+from ..megatron.steps import forward_step
 from ..runtime import PipeComm, PipelineRuntime
 from ..schedule.ir import Schedule
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..commands.train import loss_func
 from ..megatron.model import ModelConfig, build_stage, copy_from_reference, layer_offsets, split_layers
+from ..megatron.steps import loss_func
 from ..runtime import ActivationMeter
 from ..schedule.ir import Placement
 from .plan import TorchPair

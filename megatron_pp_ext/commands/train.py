@@ -300,6 +300,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
     from ..megatron.ddp import wrap_chunks, zero_grad_buffers
     from ..megatron.model import ModelConfig, build_chunks_from, build_reference, init_parallel_state
     from ..megatron.optimizer import OptimizerSettings, build_optimizer, optimizer_step
+    from ..megatron.steps import forward_step
 
     device = launch.init_distributed(rank, world_size, local_rank, settings.timeout)
     cpu_shim.install()  # no-op with CUDA
@@ -401,30 +402,6 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
     _report(rank, settings, schedule, step_times, bubbles, peak_activation, offloaded, device, attention)
     hook.uninstall()
     dist.destroy_process_group()
-
-
-def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
-    """Megatron's forward_step_func contract, as in Megatron-LM's pretrain_gpt.py."""
-    import functools
-
-    batch = next(data_iterator)
-    device = next(model.parameters()).device
-    batch = {key: value.to(device) for key, value in batch.items()}
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, functools.partial(loss_func, batch["loss_mask"])
-
-
-def loss_func(loss_mask: Any, output: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """Next-token cross-entropy summed over the unmasked tokens, their count, and a report of
-    both, as Megatron-LM's pretrain_gpt: the schedule divides by the count, over the whole
-    microbatch even when a sliced schedule runs it slice by slice."""
-    import torch
-
-    losses = output.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
-    loss = (losses * mask).sum()
-    num_tokens = mask.sum().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.stack([loss.detach().clone(), num_tokens.to(loss.dtype)])}
 
 
 def learning_rate(settings: TrainSettings, iteration: int) -> float:

@@ -1,0 +1,29 @@
+"""Megatron's forward step and per-token loss for a GPT chunk, as Megatron-LM's pretrain_gpt.py
+has them: ``train``, ``bench`` and the pretrain_gpt.py patch all run the same two functions."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+
+def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
+    """Megatron's forward_step_func contract, as in Megatron-LM's pretrain_gpt.py."""
+    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    batch = {key: value.to(device) for key, value in batch.items()}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def loss_func(loss_mask: Any, output: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """Next-token cross-entropy summed over the unmasked tokens, their count, and a report of
+    both, as Megatron-LM's pretrain_gpt: the schedule divides by the count, over the whole
+    microbatch even when a sliced schedule runs it slice by slice."""
+    losses = output.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = (losses * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach().clone(), num_tokens.to(loss.dtype)])}
