@@ -1,8 +1,17 @@
-# GPU image: NVIDIA's PyTorch container brings CUDA, NCCL, Transformer Engine and flash-attn.
+# GPU image: NVIDIA's PyTorch container (CUDA, NCCL, Transformer Engine, flash-attn, triton) with
+# Megatron-LM at the tag matching the pinned megatron-core, patched to run megatron_pp_ext's pipeline
+# schedules from pretrain_gpt.py, and the plugin installed: all by scripts/setup_megatron_lm.sh, the
+# same script a cluster without containers runs (and the tests check).
+#
 # Build:  docker build -t megatron-pp-ext .
 # Run:    docker run --gpus all --ipc=host -it megatron-pp-ext megatron-pp-ext train --pp-schedule zb-h1
-FROM nvcr.io/nvidia/pytorch:25.01-py3
+# SLURM:  enroot import -o megatron-pp-ext.sqsh dockerd://megatron-pp-ext
+#         sbatch scripts/slurm/llama2-70b-slimpipe-128k.sbatch        (pyxis: CONTAINER_IMAGE=megatron-pp-ext.sqsh)
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.03-py3
+FROM ${BASE_IMAGE}
 
+ENV PIP_NO_CACHE_DIR=1 \
+    MEGATRON_LM=/opt/Megatron-LM
 WORKDIR /opt/megatron_pp_ext
 COPY setup.py pyproject.toml README.md ./
 COPY megatron_pp_ext ./megatron_pp_ext
@@ -10,7 +19,11 @@ COPY configs ./configs
 COPY scripts ./scripts
 COPY patches ./patches
 COPY tests ./tests
-# The container already has torch; install megatron-core and our package without touching it.
-RUN pip install --no-cache-dir "megatron-core>=0.16,<0.17" && pip install --no-cache-dir -e ".[dev]"
+# Megatron-LM core_v0.16.1 cloned to /opt/Megatron-LM and patched; megatron-core installed from that
+# tree (--no-deps: the container's torch stays); the plugin (editable, with its test tools);
+# Megatron-LM's training dependencies.
+RUN PLUGIN_EXTRAS=dev MEGATRON_PP_EXT=/opt/megatron_pp_ext \
+    bash scripts/setup_megatron_lm.sh /opt/Megatron-LM
 
+WORKDIR /opt/Megatron-LM
 CMD ["megatron-pp-ext", "--help"]

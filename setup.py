@@ -18,6 +18,9 @@ setup(
         "runtime": ["torch>=2.4", "megatron-core>=0.16,<0.17"],
         "dev": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        # What Megatron-LM's training package (pretrain_gpt.py, its argument parser) imports beyond
+        # megatron-core; the tests of patches/ run it from ../shared/megatron-lm.
+        "megatron-lm": ["six", "regex", "pydantic", "triton"],
     },
     entry_points={"console_scripts": ["megatron-pp-ext=megatron_pp_ext.cli:main"]},
 )

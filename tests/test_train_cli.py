@@ -44,7 +44,13 @@ def test_bad_input_fails_before_training(args: list[str], flag: str) -> None:
     [
         (["--sequence-parallel"], "--sequence-parallel", "needs --tensor-model-parallel-size > 1"),
         (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size", "does not divide"),
-        (["--context-parallel-size", "2"], "--context-parallel-size", "not supported yet"),
+        (["--context-parallel-size", "0"], "--context-parallel-size", "at least 1"),
+        (["--context-parallel-size", "3"], "--seq-length", "2 x --context-parallel-size 3"),  # 128 % 6
+        (  # slices of 8 tokens cannot be cut into 2 x 8 pieces
+            ["--context-parallel-size", "8", "--pp-schedule", "slimpipe", "--pp-seq-slices", "16"],
+            "--pp-seq-slices",
+            "2 x --context-parallel-size 8",
+        ),
         (["--global-batch-size", "7"], "--global-batch-size", "multiple of --micro-batch-size"),
         (
             ["--seq-length", "127", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -73,9 +79,10 @@ def test_world_size_from_the_launcher_must_be_a_multiple_of_tp_x_pp() -> None:
 
 
 @pytest.mark.slow
-def test_tensor_sequence_and_data_parallel_runs_give_the_pipeline_only_losses(tmp_path) -> None:
-    """The same global batch at TP1 x PP2, TP2 x PP2 with sequence parallelism, and PP2 x DP2 with
-    the distributed optimizer's layout and overlapped reduce: the same losses, step by step."""
+def test_tensor_sequence_context_and_data_parallel_runs_give_the_pipeline_only_losses(tmp_path) -> None:
+    """The same global batch at TP1 x PP2, TP2 x PP2 with sequence parallelism, PP2 x DP2 with
+    the distributed optimizer's layout and overlapped reduce, and CP2 x PP2 with Seq1F1B (2
+    slices, each cut over the CP ranks): the same losses, step by step."""
     common = ["--pp-schedule", "zb-h1", "--train-iters", "2", "--global-batch-size", "8", "--num-layers", "4"]
     layouts = {
         "tp1": ["--pipeline-model-parallel-size", "2"],
@@ -94,15 +101,26 @@ def test_tensor_sequence_and_data_parallel_runs_give_the_pipeline_only_losses(tm
             "--use-distributed-optimizer",
             "--overlap-grad-reduce",
         ],
+        "cp2-seq1f1b": [
+            "--context-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--pp-schedule",
+            "seq1f1b",
+            "--pp-seq-slices",
+            "2",
+        ],
     }
     losses = {}
     for name, layout in layouts.items():
         metrics = tmp_path / f"{name}.jsonl"
-        done = train(*layout, *common, "--metrics", str(metrics), timeout=600)
+        done = train(*common, *layout, "--metrics", str(metrics), timeout=600)  # the layout's flags win
         assert done.returncode == 0, done.stderr[-3000:]
         losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(losses["tp1"]) == 2
-    for name in ("tp2-sp", "dp2"):
+    assert "cp=2" in done.stdout  # the last run: CP2 x PP2
+    for name in ("tp2-sp", "dp2", "cp2-seq1f1b"):
         for got, want in zip(losses[name], losses["tp1"]):
             assert abs(got - want) <= 1e-5 * abs(want), (name, losses)
 

@@ -7,7 +7,10 @@ attn_mask_type=..., attention_type=..., softmax_scale=..., ...)`` and calls it w
 (it reads the head dim and dropout from ``config`` when given) and keeps nothing else from
 Megatron. Its ``slice_context`` (one ``SliceContext`` per model chunk, set with
 ``attach_slice_context``) says which microbatch and slice run now; without one, or with no
-slice running, it is plain causal attention over what it is given.
+slice running, it is plain causal attention over what it is given. With context parallelism
+(``config.context_parallel_size`` > 1; the group from Megatron's ``pg_collection.cp`` or
+``cp_group``) each rank holds its two pieces of every slice and attends through
+``cp_attention.py``; an unsliced sequence is then attended as one slice.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import Tensor
 from .backends import BACKEND_NAMES, choose_backend
 from .cache import LayerCache
 from .context import SliceContext
+from .cp_attention import context_parallel_attention
 from .partial import check_shapes
 from .sliced import sliced_attention
 
@@ -47,9 +51,11 @@ class SlicedCoreAttention(torch.nn.Module):
         *,
         slice_context: SliceContext | None = None,
         backend: str = "auto",
+        cp_group: Any = None,
         **megatron_kwargs: Any,
     ) -> None:
-        """``megatron_kwargs`` (cp_comm_type, pg_collection, ...) are accepted and ignored."""
+        """``megatron_kwargs`` (cp_comm_type, pg_collection, ...) are accepted; only
+        ``pg_collection.cp`` is read, when the config asks for context parallelism."""
         super().__init__()
         if backend not in BACKEND_NAMES:
             raise ValueError(
@@ -73,6 +79,8 @@ class SlicedCoreAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale
         self.backend = backend
         self.slice_context = slice_context
+        self.cp_group = _context_parallel_group(config, cp_group, megatron_kwargs.get("pg_collection"))
+        self.cp_size = 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)
 
     @staticmethod
     def _check_mask_type(mask_type: Any) -> None:
@@ -110,9 +118,10 @@ class SlicedCoreAttention(torch.nn.Module):
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     def _unsliced(self, query: Tensor, key: Tensor, value: Tensor, scale: float, backend: Any) -> Tensor:
-        return sliced_attention(
-            query, key, value, LayerCache(f"layer {self.layer_number}"), 0, scale, backend
-        )
+        cache = LayerCache(f"layer {self.layer_number}")
+        if self.cp_group is not None:
+            return context_parallel_attention(query, key, value, cache, 0, scale, backend, self.cp_group)
+        return sliced_attention(query, key, value, cache, 0, scale, backend)
 
     def _sliced(
         self,
@@ -126,16 +135,43 @@ class SlicedCoreAttention(torch.nn.Module):
     ) -> Tensor:
         microbatch, index = ctx.current
         lengths = ctx.slicing(microbatch)
-        if lengths is not None and query.shape[0] != lengths[index]:
+        if lengths is not None and query.shape[0] * self.cp_size != lengths[index]:
+            share = f" ({self.cp_size} context-parallel ranks)" if self.cp_size > 1 else ""
             raise ValueError(
-                f"slice {index} of microbatch {microbatch} has {query.shape[0]} tokens but the slicing "
-                f"{list(lengths)} gives it {lengths[index]}"
+                f"slice {index} of microbatch {microbatch} has {query.shape[0]} tokens{share} but the "
+                f"slicing {list(lengths)} gives it {lengths[index]}"
             )
         cache = ctx.layer_cache(self)
-        out = sliced_attention(query, key, value, cache, index, scale, backend, ctx)
+        if self.cp_group is not None:
+            out = context_parallel_attention(
+                query, key, value, cache, index, scale, backend, self.cp_group, ctx
+            )
+        else:
+            out = sliced_attention(query, key, value, cache, index, scale, backend, ctx)
         if not need_grad and ctx.is_last_slice():
             cache.close()  # a forward-only pass is over for this microbatch and layer
         return out
+
+
+def _context_parallel_group(config: Any, cp_group: Any, pg_collection: Any) -> Any:
+    """The context-parallel group to attend over, or None. ``cp_group`` wins; otherwise Megatron's
+    ``pg_collection.cp``, but only when ``config.context_parallel_size`` > 1 (a model built without
+    CP in a world with a CP group, such as a single-process reference, attends alone)."""
+    size = int(getattr(config, "context_parallel_size", 1) or 1)
+    group = cp_group
+    if group is None and size > 1:
+        group = getattr(pg_collection, "cp", None)
+        if group is None:
+            raise ValueError(
+                f"context_parallel_size={size} but no context-parallel group: pass cp_group or "
+                "Megatron's pg_collection"
+            )
+    if group is None:
+        return None
+    ranks = torch.distributed.get_world_size(group)
+    if size > 1 and ranks != size:
+        raise ValueError(f"context_parallel_size={size} but the context-parallel group has {ranks} ranks")
+    return group if ranks > 1 else None
 
 
 def attach_slice_context(model: torch.nn.Module, slice_context: SliceContext | None) -> int:

@@ -20,6 +20,7 @@ from ..schedule.costs import CostModel, UniformCosts
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule, load
 from ..schedule.memory_model import MemoryParts, ParallelError, Parallelism, check_parallel, stage_layers
+from ..schedule.models import ModelShape
 from ..schedule.offload import (
     OffloadError,
     add_offload_args,
@@ -66,8 +67,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="activation limit in units of M for memory-aware schedules (zb-auto)",
     )
-    parser.add_argument("--model", default=None, help="model shape for the FLOP cost model, e.g. llama-7b")
-    parser.add_argument("--seq-length", type=int, default=4096, help="sequence length for --model")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model shape for the FLOP cost model: a preset (llama-7b, ...), a name in configs/ "
+        "(llama2-70b, llama3-8b, gpt3-175b, ...) or a config's YAML file",
+    )
+    parser.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="sequence length for --model (default: the config's, or 4096 for a preset)",
+    )
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch")
     parser.add_argument(
         "--pp-attn-redistribution",
@@ -123,15 +134,54 @@ def parallel_from_args(args: argparse.Namespace) -> Parallelism:
             if getattr(args, name) != default:
                 raise UsageError(flag, "needs --model NAME (memory per rank in bytes)")
         return parallel
-    from ..schedule.models import get_model
-
     try:
-        check_parallel(get_model(args.model), args.seq_length, parallel)
+        check_parallel(model_shape(args), args.seq_length, parallel)
     except KeyError as error:
         raise UsageError("--model", str(error.args[0]), flag_in_message=True) from None
     except ParallelError as error:
         raise UsageError(error.flag, str(error), flag_in_message=True) from None
     return parallel
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """``--model`` as a preset or a config (configs/*.yaml, read here: the schedule core stays
+    free of YAML), and ``--seq-length``'s default: the config's, else 4096. A config with learned
+    positions refuses a sequence longer than its position table."""
+    from ..schedule.models import PRESETS
+
+    args.model_shape = None
+    if args.model is None or args.model in PRESETS:
+        args.seq_length = args.seq_length or 4096
+        return
+    from .. import configs
+
+    if not configs.exists(args.model):
+        raise UsageError(
+            "--model",
+            f"unknown model {args.model!r} (--model); choose a preset ({', '.join(PRESETS)}), a config "
+            f"({', '.join(configs.names())}) or a config's YAML file",
+            flag_in_message=True,
+        )
+    try:
+        config = configs.load(args.model)
+        model = configs.model_section(config)
+        args.seq_length = args.seq_length or model["seq_length"]
+        configs.max_positions(model, args.seq_length)  # learned positions: a limit
+        args.model_shape = configs.shape(args.model, config)
+    except configs.ConfigError as error:
+        flag = "--model" if error.flag == "--config" else error.flag
+        raise UsageError(flag, error.reason) from None
+    except (TypeError, ValueError, KeyError) as error:
+        raise UsageError("--model", f"config {args.model!r}: {error}") from None
+
+
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    """The shape of ``--model`` (after :func:`resolve_model`); unknown names raise KeyError."""
+    if getattr(args, "model_shape", None) is not None:
+        return args.model_shape
+    from ..schedule.models import get_model
+
+    return get_model(args.model)
 
 
 def parse_costs(text: str) -> Costs:
@@ -192,7 +242,7 @@ def cost_model(args: argparse.Namespace, schedule: Schedule, costs: Costs) -> Co
         options.update(peak_flops=args.pp_compute_throughput, utilisation=1.0)
     parallel = parallel_from_args(args)
     return flop_costs_for(
-        args.model,
+        model_shape(args),
         schedule,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
@@ -206,9 +256,7 @@ def cost_model(args: argparse.Namespace, schedule: Schedule, costs: Costs) -> Co
 
 def layers_of(args: argparse.Namespace, schedule: Schedule) -> list[int]:
     """Layers per virtual stage as the runtime splits them, so activations and weights agree."""
-    from ..schedule.models import get_model
-
-    layers = get_model(args.model).layers
+    layers = model_shape(args).layers
     try:
         return stage_layers(layers, schedule.num_stages)
     except ValueError:
@@ -226,11 +274,10 @@ def rank_memory(args: argparse.Namespace, result: SimResult) -> list[MemoryParts
     if args.model is None:
         return None
     from ..schedule.memory_model import static_memory
-    from ..schedule.models import get_model
 
     schedule = result.schedule
     static = static_memory(
-        get_model(args.model), schedule.placement, parallel_from_args(args), layers_of(args, schedule)
+        model_shape(args), schedule.placement, parallel_from_args(args), layers_of(args, schedule)
     )
     return [parts.with_activations(peak) for parts, peak in zip(static, result.peak_memory_per_rank)]
 
@@ -357,6 +404,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    resolve_model(args)
     parallel_from_args(args)  # bad sizes fail once, before any schedule (also for 'all')
     if args.schedule == "all" and not args.schedule_file:
         return run_all(args)

@@ -86,14 +86,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--sequence-parallel", action="store_true", default=None, help="sequence parallelism (needs TP > 1)"
     )
     parser.add_argument(
-        "--context-parallel-size", dest="cp", type=int, help="context-parallel ranks (not supported yet)"
+        "--context-parallel-size",
+        dest="cp",
+        type=int,
+        help="context-parallel ranks: each holds 2 of 2 x CP pieces of every slice (any schedule)",
     )
     parser.add_argument(
         "--data-parallel-size",
         dest="dp",
         type=int,
         help="data-parallel replicas when train starts the processes itself (under torchrun/srun: "
-        "world size / (TP x PP))",
+        "world size / (TP x CP x PP))",
     )
     parser.add_argument(
         "--global-batch-size", type=int, help="sequences per iteration over all data-parallel ranks"
@@ -126,7 +129,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def load_settings(args: argparse.Namespace) -> TrainSettings:
     path = Path(args.config)
-    if not path.suffix:
+    if path.suffix not in (".yaml", ".yml") and len(path.parts) == 1:  # a name (may hold dots: gpt3-1.3b)
         path = CONFIG_DIR / f"{args.config}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
@@ -153,6 +156,8 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
     if args.global_batch_size is not None and args.microbatches is None:
         training.pop("microbatches", None)  # the global batch size decides
     training.update({key: value for key, value in overrides.items() if value is not None})
+    if args.sequence_parallel is None and training.get("tp", 1) == 1:
+        training.pop("sequence_parallel", None)  # a config's sequence parallelism goes with its TP
     if args.seq_length is not None:
         model["seq_length"] = args.seq_length
     if args.num_layers is not None:
@@ -180,19 +185,30 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
 
 def resolve_layout(settings: TrainSettings, launcher_world_size: int | None) -> TrainSettings:
     """Data-parallel size and microbatches per rank, as Megatron derives them: DP = world /
-    (TP x PP) under a launcher (``--data-parallel-size`` otherwise), microbatches = global batch
-    / (micro batch size x DP)."""
-    pp_flag, tp_flag = "--pipeline-model-parallel-size", "--tensor-model-parallel-size"
-    for flag, size in ((pp_flag, settings.pp), (tp_flag, settings.tp), ("--data-parallel-size", settings.dp)):
+    (TP x CP x PP) under a launcher (``--data-parallel-size`` otherwise), microbatches = global
+    batch / (micro batch size x DP)."""
+    pp_flag, tp_flag, cp_flag = (
+        "--pipeline-model-parallel-size",
+        "--tensor-model-parallel-size",
+        "--context-parallel-size",
+    )
+    sizes = (
+        (pp_flag, settings.pp),
+        (tp_flag, settings.tp),
+        (cp_flag, settings.cp),
+        ("--data-parallel-size", settings.dp),
+    )
+    for flag, size in sizes:
         if size < 1:
             raise UsageError(flag, f"needs at least 1, got {size}")
     if launcher_world_size is not None:
-        model_parallel = settings.tp * settings.pp
+        model_parallel = settings.tp * settings.cp * settings.pp
         if launcher_world_size % model_parallel:
             raise UsageError(
                 pp_flag,
                 f"the launcher started {launcher_world_size} processes, not a multiple of {tp_flag} x "
-                f"{pp_flag} = {settings.tp} x {settings.pp}; start a multiple of {model_parallel} processes",
+                f"{cp_flag} x {pp_flag} = {settings.tp} x {settings.cp} x {settings.pp}; start a multiple "
+                f"of {model_parallel} processes",
             )
         settings = dataclasses.replace(settings, dp=launcher_world_size // model_parallel)
     if settings.global_batch_size is not None:
@@ -215,6 +231,14 @@ def check(settings: TrainSettings) -> None:
         model = ModelConfig(**settings.model)
     except (TypeError, ValueError) as error:
         raise UsageError("--config", f"model section: {error}") from None
+    if model.unsupported():
+        raise UsageError(
+            "--config",
+            f"train builds Llama-style models only (normalization=RMSNorm, activation=swiglu, "
+            f"position_embedding=rope, bias=false, tied_embeddings=false); this config has "
+            f"{', '.join(model.unsupported())}: train it with Megatron-LM's pretrain_gpt.py "
+            "(scripts/slurm/launch.sh), or study it with simulate --model",
+        )
     _check_parallel(settings, model)
     flags = dict(TRAIN_FLAGS)
     if settings.global_batch_size is not None:
@@ -236,6 +260,9 @@ def check(settings: TrainSettings) -> None:
             lengths = settings.pipeline.slice_lengths(schedule, model.seq_length, model.shape(), TRAIN_FLAGS)
         except OptionError as error:
             raise UsageError(error.flag, error.reason) from None
+        for index, length in enumerate(lengths):
+            what = f"slice {index} of {list(lengths)} (--pp-seq-slices {schedule.slices})"
+            _check_cp_length(length, settings, "--pp-seq-slices", what)
         if settings.sequence_parallel and any(length % settings.tp for length in lengths):
             raise UsageError(
                 "--pp-seq-slices",
@@ -247,11 +274,7 @@ def check(settings: TrainSettings) -> None:
 def _check_parallel(settings: TrainSettings, model: Any) -> None:
     """Tensor, sequence and context parallelism the model and runtime can take."""
     tp_flag = "--tensor-model-parallel-size"
-    if settings.cp != 1:
-        raise UsageError(
-            "--context-parallel-size",
-            f"context parallelism is not supported yet (got {settings.cp}); use 1",
-        )
+    _check_cp_length(model.seq_length, settings, "--seq-length", f"--seq-length {model.seq_length}")
     if settings.sequence_parallel and settings.tp == 1:
         raise UsageError("--sequence-parallel", f"needs {tp_flag} > 1, or drop --sequence-parallel")
     for what, count in (
@@ -269,20 +292,44 @@ def _check_parallel(settings: TrainSettings, model: Any) -> None:
         )
 
 
+def _check_cp_length(length: int, settings: TrainSettings, flag: str, what: str) -> None:
+    """Context parallelism cuts a sequence (each slice, with a sliced schedule) into 2 x CP
+    pieces, and under sequence parallelism a rank's share into TP parts."""
+    cp = settings.cp
+    if cp == 1:
+        return
+    if length % (2 * cp):
+        raise UsageError(
+            flag,
+            f"{what}: {length} tokens cannot be cut into 2 x --context-parallel-size {cp} equal pieces; "
+            f"use a length that is a multiple of {2 * cp}",
+        )
+    if settings.sequence_parallel and (length // cp) % settings.tp:
+        raise UsageError(
+            flag,
+            f"{what}: a context-parallel rank's {length // cp} tokens cannot be split over "
+            f"--tensor-model-parallel-size {settings.tp} (sequence parallelism)",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from .. import launch
 
     settings = load_settings(args)
     world = launch.launcher_world()
-    if world is not None and args.dp is not None and world[1] != settings.tp * settings.pp * args.dp:
+    if (
+        world is not None
+        and args.dp is not None
+        and world[1] != settings.tp * settings.cp * settings.pp * args.dp
+    ):
         raise UsageError(
             "--data-parallel-size",
-            f"the launcher started {world[1]} processes; DP under a launcher is world / (TP x PP), "
+            f"the launcher started {world[1]} processes; DP under a launcher is world / (TP x CP x PP), "
             "drop --data-parallel-size",
         )
     settings = resolve_layout(settings, None if world is None else world[1])
     check(settings)
-    launch.run(worker, settings.tp * settings.pp * settings.dp, settings)
+    launch.run(worker, settings.tp * settings.cp * settings.pp * settings.dp, settings)
     return 0
 
 
@@ -304,13 +351,14 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
 
     device = launch.init_distributed(rank, world_size, local_rank, settings.timeout)
     cpu_shim.install()  # no-op with CUDA
-    init_parallel_state(settings.pp, settings.tp)
+    init_parallel_state(settings.pp, settings.tp, settings.cp)
     hook = install(options=settings.pipeline)
     schedule = hook.schedule(settings.pp, settings.microbatches)
     extra = {**settings.model.get("extra", {}), "sequence_parallel": settings.sequence_parallel}
     model_config = ModelConfig(**{**settings.model, "extra": extra})
     pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
-    dp_group = parallel_state.get_data_parallel_group()
+    # Losses are reported per CP rank (its own tokens): summed over DP x CP. Data goes by DP rank.
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_rank = parallel_state.get_data_parallel_rank()
 
     # Same weights whatever the schedule and layout: every stage copies its layers (its TP shard)
@@ -349,6 +397,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
 
     is_loss_rank = schedule.loss_rank == pipeline_rank
     shows = is_loss_rank and dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+    shows = shows and parallel_state.get_context_parallel_rank() == 0
     progress = _progress(settings.iterations, show=shows)
     metrics_file = open(settings.metrics, "w") if settings.metrics and shows else None
     step_times: list[float] = []
@@ -448,8 +497,9 @@ def _report(
     dist.all_gather_object(rows, row)
     if rank == 0:
         sp = " sp" if settings.sequence_parallel else ""
+        cp = f" cp={settings.cp}" if settings.cp > 1 else ""
         print(
-            f"\n{schedule.name}: pp={settings.pp} tp={settings.tp}{sp} "
+            f"\n{schedule.name}: pp={settings.pp} tp={settings.tp}{sp}{cp} "
             f"dp={settings.dp} m={settings.microbatches} v={schedule.vpp} "
             f"k={schedule.slices}, steady-state per rank:"
         )

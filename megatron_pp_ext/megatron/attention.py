@@ -38,7 +38,10 @@ class SDPAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not support context parallelism")
+            raise ValueError(
+                "SDPAttention does not support context parallelism: build the chunks with "
+                "sliced=True (SlicedCoreAttention attends across context-parallel ranks)"
+            )
         if config.softmax_type != "vanilla":
             raise ValueError(
                 f"SDPAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"

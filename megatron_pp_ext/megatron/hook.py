@@ -217,10 +217,15 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 class Installed:
     """The installed hook: builds one PipelineRuntime per model-chunk list and one schedule per
     microbatch count, on first use (every pipeline rank reaches the first training step together,
-    which is when the p2p groups are created)."""
+    which is when the p2p groups are created).
 
-    def __init__(self, options: PipelineOptions) -> None:
+    ``losses_on_last_rank``: return the loss dicts on the pipeline's last rank, where Megatron-LM's
+    ``train_step`` and ``evaluate`` read them, even when the schedule computes the loss on another
+    rank (V-shape: rank 0); that rank then returns an empty list. Off, they stay where computed."""
+
+    def __init__(self, options: PipelineOptions, losses_on_last_rank: bool = False) -> None:
         self.options = options
+        self.losses_on_last_rank = losses_on_last_rank
         self._runtimes: dict[tuple[int, ...], Any] = {}
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self._auto_offload: dict[tuple[int, int, int], Schedule] = {}
@@ -245,6 +250,24 @@ class Installed:
         losses = forward_backward(runtime, schedule, **kwargs)
         self.last_result = runtime.last_result
         self.last_wait_seconds = runtime.comm.wait_seconds - waited
+        if self.losses_on_last_rank and schedule.loss_rank != schedule.pp - 1:
+            losses = self._move_losses(runtime, schedule, losses)
+        return losses
+
+    def _move_losses(self, runtime: Any, schedule: Schedule, losses: list[Any]) -> list[Any]:
+        """Send the loss dicts from the rank that computed them to the pipeline's last rank."""
+        import torch.distributed as dist
+
+        rank = runtime.comm.rank
+        ranks = runtime.comm.ranks
+        if rank == schedule.loss_rank:
+            cpu = [{key: value.detach().cpu() for key, value in item.items()} for item in losses]
+            dist.send_object_list([cpu], dst=ranks[schedule.pp - 1])
+            return []
+        if rank == schedule.pp - 1:
+            received: list[Any] = [None]
+            dist.recv_object_list(received, src=ranks[schedule.loss_rank])
+            return [{key: value.to(runtime.device) for key, value in item.items()} for item in received[0]]
         return losses
 
     # -- pieces -------------------------------------------------------------------------------
@@ -321,7 +344,12 @@ class Installed:
 _active: Installed | None = None
 
 
-def install(args: Any = None, options: PipelineOptions | None = None, **overrides: Any) -> Installed:
+def install(
+    args: Any = None,
+    options: PipelineOptions | None = None,
+    losses_on_last_rank: bool = False,
+    **overrides: Any,
+) -> Installed:
     """Install the hook with options from Megatron's parsed ``args`` (see :func:`add_args`),
     or ``options``, and/or keyword overrides (``schedule="zb-h1"``, ``slices=4``, ...).
     Installing again replaces the previous hook. If ``args`` carries the pipeline size and
@@ -343,13 +371,25 @@ def install(args: Any = None, options: PipelineOptions | None = None, **override
     if pp and microbatches is not None:
         schedule = options.schedule_for(pp, microbatches)  # fail early, with the flag named
         if schedule.slices > 1 and getattr(args, "seq_length", None):
-            options.slice_lengths(schedule, args.seq_length, megatron_shape(args))
+            lengths = options.slice_lengths(schedule, args.seq_length, megatron_shape(args))
+            _check_context_parallel(lengths, args)
     if _active is not None:
         _active.uninstall()
-    hook = Installed(options)
+    hook = Installed(options, losses_on_last_rank)
     hook.patch()
     _active = hook
     return hook
+
+
+def _check_context_parallel(lengths: tuple[int, ...], args: Any) -> None:
+    """Under --context-parallel-size every slice is cut into 2 x CP pieces (Megatron-LM's
+    ``get_batch`` cuts each slice the runtime hands it); refuse slices that cannot be."""
+    from ..runtime.context_parallel import check_cp_slices
+
+    try:
+        check_cp_slices(lengths, args)
+    except ValueError as error:
+        raise OptionError(str(error), "--pp-seq-slices") from None
 
 
 def _num_microbatches(args: Any) -> int | None:

@@ -10,15 +10,19 @@ For exactness tests, :func:`build_reference` builds the whole model in one proce
 :func:`copy_from_reference` copies its weights into a stage by global layer index;
 :func:`reference_name` maps a stage parameter name back to the reference.
 
-Tensor, sequence and data parallelism come from Megatron's own parallel state:
-:func:`init_parallel_state` initialises it (TP, PP = the pipeline size, DP = the rest of the
-world), each stage's TransformerConfig takes its TP size from it, and ``sequence_parallel`` comes
-with the model's ``extra`` fields. :func:`check_parallel_state` refuses a state whose pipeline
-size is not the schedule's (its data-parallel group would span our stages).
+Tensor, sequence, context and data parallelism come from Megatron's own parallel state:
+:func:`init_parallel_state` initialises it (TP, CP, PP = the pipeline size, DP = the rest of the
+world), each stage's TransformerConfig takes its TP and CP sizes from it, and ``sequence_parallel``
+comes with the model's ``extra`` fields. Under CP the chunks use the sliced core attention (it
+attends across CP ranks) and rotary positions are cut by Megatron's load-balanced layout on any
+device. :func:`check_parallel_state` refuses a state whose pipeline size is not the schedule's
+(its data-parallel group would span our stages).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -31,6 +35,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..attention.cp_layout import take_local
 from ..schedule.memory_model import stage_layers
 from ..schedule.models import ModelShape
 from .layer_spec import block_spec, layer_spec
@@ -58,6 +63,15 @@ class ModelConfig:
     rotary_base: int = 10000
     norm_epsilon: float = 1e-5
     init_std: float = 0.02
+    # Architecture (configs/*.yaml; Megatron-LM's flags in brackets). The runtime's builder makes
+    # the Llama-style defaults only (see ``unsupported``); the others serve pretrain_gpt.py,
+    # ``simulate`` and the planner.
+    normalization: str = "RMSNorm"  # or LayerNorm [--normalization]
+    activation: str = "swiglu"  # or gelu [--swiglu]
+    position_embedding: str = "rope"  # or learned_absolute [--position-embedding-type]
+    max_position_embeddings: int | None = None  # None: seq_length; a limit for learned positions
+    tied_embeddings: bool = False  # [no --untie-embeddings-and-output-weights]
+    bias: bool = False  # linear-layer biases [no --disable-bias-linear]
     extra: dict = field(default_factory=dict)  # extra TransformerConfig fields
 
     def __post_init__(self) -> None:
@@ -67,6 +81,38 @@ class ModelConfig:
             raise ValueError("hidden_size must be a multiple of num_attention_heads")
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_kv_heads (GQA groups)")
+        choices_of = {
+            "normalization": ("RMSNorm", "LayerNorm"),
+            "activation": ("swiglu", "gelu"),
+            "position_embedding": ("rope", "learned_absolute"),
+        }
+        for name, choices in choices_of.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        limit = self.max_position_embeddings
+        if self.position_embedding == "learned_absolute" and limit is not None and self.seq_length > limit:
+            raise ValueError(
+                f"seq_length {self.seq_length} exceeds max_position_embeddings {limit}: learned "
+                "absolute positions are a table of that many rows (a limit, unlike rope); raise "
+                "max_position_embeddings to train a bigger table"
+            )
+
+    def unsupported(self) -> list[str]:
+        """What of this architecture the runtime's builder cannot make (it builds Llama-style
+        models: RMSNorm, SwiGLU, rotary positions, no biases, untied embeddings); [] if none."""
+        llama = {
+            "normalization": "RMSNorm",
+            "activation": "swiglu",
+            "position_embedding": "rope",
+            "tied_embeddings": False,
+            "bias": False,
+        }
+        as_yaml = {True: "true", False: "false"}
+        return [
+            f"{name}={as_yaml.get(getattr(self, name), getattr(self, name))}"
+            for name, value in llama.items()
+            if getattr(self, name) != value
+        ]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -83,7 +129,7 @@ class ModelConfig:
             head_dim=self.hidden_size // self.num_attention_heads,
             ffn=self.ffn_hidden_size,
             vocab=self.vocab_size,
-            gated=True,
+            gated=self.activation == "swiglu",
             bytes_per_element=self.torch_dtype.itemsize,
         )
 
@@ -117,6 +163,7 @@ def transformer_config(model: ModelConfig, num_layers: int | None = None) -> Tra
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         tensor_model_parallel_size=_tensor_parallel_size(),
+        context_parallel_size=_context_parallel_size(),
         pipeline_model_parallel_size=1,
     )
     fields.update(model.extra)
@@ -132,10 +179,18 @@ def _tensor_parallel_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
+def _context_parallel_size() -> int:
+    """This process's context-parallel size from Megatron's parallel state (1 when it is not
+    initialised). A model may ask for 1 (``extra``) in a CP world: it then runs every token."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_context_parallel_world_size()
+
+
 def check_supported(config: Any) -> None:
     """Each stage is a GPTModel of Megatron's with ``pipeline_model_parallel_size=1`` (the
     runtime does the pipelining); its tensor-parallel size must be the parallel state's, sequence
-    parallelism needs TP > 1, and context parallelism is not supported yet."""
+    parallelism needs TP > 1, and its context-parallel size is the parallel state's or 1."""
     tp = getattr(config, "tensor_model_parallel_size", 1)
     if tp != _tensor_parallel_size():
         raise ValueError(
@@ -151,8 +206,11 @@ def check_supported(config: Any) -> None:
     if getattr(config, "sequence_parallel", False) and tp == 1:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
     cp = getattr(config, "context_parallel_size", 1)
-    if cp != 1:
-        raise ValueError(f"context_parallel_size={cp} is not supported yet (context parallelism)")
+    if cp not in (1, _context_parallel_size()):
+        raise ValueError(
+            f"context_parallel_size={cp} but Megatron's parallel state has CP={_context_parallel_size()}: "
+            f"initialise it with init_parallel_state(pp, tp, cp={cp})"
+        )
 
 
 def split_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] | None = None) -> list[int]:
@@ -200,6 +258,19 @@ class DeviceRotaryEmbedding(RotaryEmbedding):
             emb = torch.cat((freqs, freqs), dim=-1)
         return emb[:, None, None, :]
 
+    @functools.lru_cache(maxsize=32)  # noqa: B019 (as Megatron's own forward: a few shapes per model)
+    def forward(
+        self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None
+    ) -> torch.Tensor:
+        """Megatron's forward with a device-agnostic context-parallel cut (Megatron's
+        ``get_pos_emb_on_this_cp_rank`` pins memory and moves to CUDA): positions
+        [offset, offset + max_seq_len) cut into 2*CP pieces, this rank's two kept."""
+        emb = self.get_emb(max_seq_len, offset)
+        group = self.cp_group if cp_group is None else cp_group
+        if group is not None and group.size() > 1 and not packed_seq:
+            emb = take_local(emb, 0, group.size(), group.rank())
+        return emb
+
 
 def _gpt(
     model: ModelConfig,
@@ -210,6 +281,7 @@ def _gpt(
     sliced: bool = False,
 ) -> GPTModel:
     config = transformer_config(model, num_layers)
+    sliced = sliced or config.context_parallel_size > 1  # our sliced attention runs CP, sliced or not
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(layer_spec(use_te, sliced=sliced), num_layers),
@@ -225,6 +297,8 @@ def _gpt(
     if type(gpt.rotary_pos_emb) is RotaryEmbedding:
         gpt.rotary_pos_emb.__class__ = DeviceRotaryEmbedding  # same state, device-agnostic get_emb
         gpt.rotary_pos_emb.inv_freq = gpt.rotary_pos_emb.inv_freq.to(device)
+        if config.context_parallel_size == 1:  # Megatron gives it the CP group whatever the config
+            gpt.rotary_pos_emb.cp_group = None
     # Torch norms are created in the default dtype whatever params_dtype says.
     gpt = gpt.to(device=device, dtype=model.torch_dtype)
     if sliced:
@@ -242,7 +316,8 @@ def build_stage(
     sliced: bool = False,
 ) -> GPTModel:
     """The GPTModel of virtual stage ``stage`` (embedding on stage 0, loss on the last).
-    ``sliced``: sliced core attention and its SliceContext, for sequence-sliced schedules."""
+    ``sliced``: sliced core attention and its SliceContext, for sequence-sliced schedules (always
+    under context parallelism: that attention runs it, with one slice for unsliced schedules)."""
     last = len(layers_per_stage) - 1
     if not 0 <= stage <= last:
         raise ValueError(f"stage {stage} out of range 0..{last}")
@@ -265,8 +340,10 @@ def build_chunks(
 
 
 def build_reference(model: ModelConfig, use_te: bool | None = None, sliced: bool = False) -> GPTModel:
-    """The whole model in one GPTModel, without a pipeline."""
-    return _gpt(model, model.num_layers, True, True, use_te, sliced)
+    """The whole model in one GPTModel, without a pipeline and without context parallelism (every
+    token in this process; same parameters as the chunks)."""
+    alone = dataclasses.replace(model, extra={**model.extra, "context_parallel_size": 1})
+    return _gpt(alone, model.num_layers, True, True, use_te, sliced)
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -311,34 +388,40 @@ def build_chunks_from(
     return chunks, names
 
 
-def init_parallel_state(pp_size: int, tp_size: int = 1) -> None:
-    """Megatron's parallel state for our pipelines: TP = ``tp_size``, PP = ``pp_size``, and data
-    parallelism over the rest of the world (world = TP x PP x DP), so a data-parallel group never
-    spans the stages of one pipeline. ``torch.distributed`` must be initialised."""
+def init_parallel_state(pp_size: int, tp_size: int = 1, cp_size: int = 1) -> None:
+    """Megatron's parallel state for our pipelines: TP = ``tp_size``, CP = ``cp_size``, PP =
+    ``pp_size``, and data parallelism over the rest of the world (world = TP x CP x PP x DP,
+    Megatron's rank order tp-cp-ep-dp-pp), so a data-parallel group never spans the stages of one
+    pipeline. ``torch.distributed`` must be initialised."""
     if not torch.distributed.is_initialized():
         raise RuntimeError("init_parallel_state needs torch.distributed to be initialised first")
     if parallel_state.model_parallel_is_initialized():
-        check_parallel_state(pp_size, tp_size)
+        check_parallel_state(pp_size, tp_size, cp_size)
         return
     world = torch.distributed.get_world_size()
-    if world % (tp_size * pp_size):
+    if world % (tp_size * cp_size * pp_size):
         raise ValueError(
-            f"world size {world} is not a multiple of tensor x pipeline parallel size {tp_size} x {pp_size}"
+            f"world size {world} is not a multiple of tensor x context x pipeline parallel size "
+            f"{tp_size} x {cp_size} x {pp_size}"
         )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
+        context_parallel_size=cp_size,
         create_gloo_process_groups=False,
     )
-    check_parallel_state(pp_size, tp_size)
+    check_parallel_state(pp_size, tp_size, cp_size)
 
 
-def check_parallel_state(pp_size: int, tp_size: int | None = None) -> None:
+def check_parallel_state(pp_size: int, tp_size: int | None = None, cp_size: int | None = None) -> None:
     """Refuse a parallel state with a pipeline size other than ours (its data-parallel group
-    would all-reduce gradients across our stages), or another TP size than ``tp_size``."""
+    would all-reduce gradients across our stages), or another TP or CP size than asked for."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp_size is not None and tp != tp_size:
         raise ValueError(f"Megatron parallel state has TP={tp}, not the {tp_size} asked for")
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp_size is not None and cp != cp_size:
+        raise ValueError(f"Megatron parallel state has CP={cp}, not the {cp_size} asked for")
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if pp != pp_size:
         raise ValueError(

@@ -7,15 +7,27 @@ import functools
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 
 def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
     """Megatron's forward_step_func contract, as in Megatron-LM's pretrain_gpt.py."""
     batch = next(data_iterator)
     device = next(model.parameters()).device
-    batch = {key: value.to(device) for key, value in batch.items()}
+    batch = on_this_cp_rank({key: value.to(device) for key, value in batch.items()}, model)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def on_this_cp_rank(batch: dict[str, Any], model: Any) -> dict[str, Any]:
+    """This context-parallel rank's two pieces of every [b, S] tensor, as Megatron-LM's
+    ``get_batch`` cuts them (``get_batch_on_this_cp_rank``). A sliced schedule hands over one
+    slice at a time, so each slice is cut this way: the layout the sliced attention expects. A
+    model built without CP (``context_parallel_size`` 1 in its config) gets the whole batch."""
+    if getattr(get_model_config(model), "context_parallel_size", 1) == 1:
+        return batch
+    return get_batch_on_this_cp_rank(batch, parallel_state.get_context_parallel_group())
 
 
 def loss_func(loss_mask: Any, output: Any) -> tuple[Any, Any, dict[str, Any]]:

@@ -18,7 +18,9 @@ attention (``build_chunks(..., sliced=True)``), messages have the slice's shape.
 ``attn_redistribution`` > 0 heavy slices hand their oldest K/V to a partner rank
 (``redistribution.py``). Chunks wrapped in megatron-core's DDP are driven through the model
 config's ``no_sync_func`` / ``grad_sync_func`` / ``param_sync_func`` (``grad_sync.py``); under
-sequence parallelism messages carry this rank's 1/TP of the sequence.
+sequence parallelism messages carry this rank's 1/TP of the sequence, under context parallelism
+its 1/CP (its two pieces of every slice, ``attention/cp_layout.py``), and the loss of a sequence
+is normalised over its tokens on all CP ranks (``context_parallel.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..schedule.ir import Op, OpKind, Schedule
 from ..schedule.lowering import lower
 from ..schedule.models import megatron_shape
 from ..schedule.validate import validate
+from .context_parallel import check_cp_slices, context_parallel_group
 from .grad_sync import GradSync
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, OffloadStats
@@ -112,8 +115,9 @@ class PipelineRuntime:
         self.device = next(self.chunks[0].parameters()).device
         self.stores = [WeightGradStore() for _ in self.chunks]
         _check_parallel_state(comm.size)
-        # Under sequence parallelism a message holds this rank's 1/TP of the sequence.
+        # Under sequence (context) parallelism a message holds this rank's 1/TP (1/CP) of the sequence.
         self.sequence_share = _sequence_share(self.config)
+        self.cp_group = context_parallel_group(self.config)
         self.meter = ActivationMeter()
         self.offload = OffloadEngine(self.device)
         self.last_result: StepResult | None = None
@@ -175,6 +179,7 @@ class PipelineRuntime:
                 self.stores[lowered.placement.chunk_index(stage)],
                 num_slices=lowered.slices,
                 offload=offload,
+                cp_group=self.cp_group,
             )
             for stage in stages
         }
@@ -260,6 +265,7 @@ class PipelineRuntime:
             lengths = plan_slices(schedule, int(full_shape[0]), megatron_shape(self.config))
         if len(lengths) != schedule.slices:
             raise ValueError(f"{len(lengths)} slice lengths for a schedule with {schedule.slices} slices")
+        check_cp_slices(lengths, self.config)
         return StepSlicing(lengths, self.chunks, iterators, cut)
 
     def _iterators(self, data_iterators: Any) -> list[Iterator[Any] | None]:
@@ -286,11 +292,12 @@ def _check_parallel_state(pp_size: int) -> None:
 
 
 def _sequence_share(config: Any) -> int:
-    """How many ranks share a message's sequence: TP under sequence parallelism (Megatron's
-    ``get_tensor_shapes`` divides the sequence length the same way)."""
+    """How many ranks share a message's sequence: TP under sequence parallelism, times CP
+    (Megatron's ``get_tensor_shapes`` divides the sequence length the same way)."""
+    cp = int(getattr(config, "context_parallel_size", 1) or 1)
     if not getattr(config, "sequence_parallel", False):
-        return 1
-    return int(getattr(config, "tensor_model_parallel_size", 1))
+        return cp
+    return int(getattr(config, "tensor_model_parallel_size", 1)) * cp
 
 
 def _shape_fn(tensor_shape: Sequence[int] | ShapeFn) -> ShapeFn:
@@ -415,7 +422,8 @@ class _StepRun:
         if sequence % share:
             raise PipelineError(
                 f"rank {self.rt.rank}: {op}: sequence length {sequence} is not divisible by the "
-                f"tensor-parallel size {share} (sequence parallelism)"
+                f"{share} ranks that share it (tensor parallel under sequence parallelism x context "
+                "parallel)"
             )
         return (sequence // share, *rest)
 

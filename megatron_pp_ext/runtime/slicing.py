@@ -94,22 +94,26 @@ class SliceFeeder:
 
 @dataclass
 class SliceLosses:
-    """What the loss stage collected from one microbatch's slices so far."""
+    """What the loss stage collected from one microbatch's slices so far. ``total``: under
+    context parallelism, the count of all CP ranks (set after the last slice's forward)."""
 
     num_tokens: Tensor | int = 0
     reports: list[Any] = field(default_factory=list)
+    total: Tensor | int | None = None
 
     def add(self, num_tokens: Tensor | int, report: Any) -> None:
         self.num_tokens = self.num_tokens + num_tokens
         self.reports.append(report)
 
-    def normaliser(self, num_microbatches: int) -> Callable[[Tensor], Tensor]:
+    def normaliser(self, num_microbatches: int, cp_size: int = 1) -> Callable[[Tensor], Tensor]:
         """Scales a slice's raw loss sum like Megatron scales a whole microbatch's, by the token
-        count of all its slices, read when the backward runs (all slices have run forward)."""
+        count of all its slices, read when the backward runs (all slices have run forward).
+        Under CP by ``cp_size`` / the count of all CP ranks (DDP averages over DP x CP)."""
 
         def normalise(loss: Tensor) -> Tensor:
-            tokens = torch.as_tensor(self.num_tokens, device=loss.device)
-            return loss / torch.clamp(tokens, min=1) / num_microbatches
+            count = self.num_tokens if self.total is None else self.total
+            loss = loss / torch.clamp(torch.as_tensor(count, device=loss.device), min=1)
+            return (loss if cp_size == 1 else loss * cp_size) / num_microbatches
 
         return normalise
 

@@ -6,7 +6,8 @@ A forward calls ``chunk.set_input_tensor(input)`` and then the user's
 is normalised like Megatron's ``forward_step`` (by tokens unless ``calculate_per_token_loss``,
 and by the number of microbatches). The runner keeps what each unit needs until its backward.
 With sequence slices the loss of each slice is normalised at its backward over the whole
-microbatch's tokens (see ``slicing.py``).
+microbatch's tokens (see ``slicing.py``); under context parallelism over the tokens of all CP
+ranks (see ``context_parallel.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
+from .context_parallel import tokens_on_all_cp_ranks
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, saving
 from .slicing import SliceLosses, combine_reports, sliced_loss
@@ -85,8 +87,12 @@ class StageRunner:
         store: WeightGradStore,
         num_slices: int = 1,
         offload: OffloadEngine | None = None,
+        cp_group: Any = None,
     ) -> None:
+        """``cp_group``: the context-parallel group (None: no CP), for the loss normalisation."""
         self.chunk = chunk
+        self.cp_group = cp_group
+        self.cp_size = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
         self.offload = offload
         self.num_slices = num_slices
         self.stage = stage
@@ -145,7 +151,8 @@ class StageRunner:
         losses: LossRecord,
         collect_non_loss_data: bool,
     ) -> Any:
-        """Megatron's ``forward_step_calc_loss`` (CP size 1)."""
+        """Megatron's ``forward_step_calc_loss``; under CP the count is that of all CP ranks
+        (exact where Megatron's local count is not, see ``context_parallel.py``)."""
         if loss_func is None:
             losses.outputs[microbatch] = output
             return output
@@ -156,11 +163,16 @@ class StageRunner:
         if len(result) == 3:
             loss, num_tokens, reduced = result
             if not getattr(self.config, "calculate_per_token_loss", False):
-                loss /= torch.clamp(num_tokens, min=1)
+                if self.cp_group is None:
+                    loss /= torch.clamp(num_tokens, min=1)
+                else:
+                    loss /= torch.clamp(tokens_on_all_cp_ranks(num_tokens, self.cp_group, loss.device), min=1)
+                    loss *= self.cp_size  # DDP averages over DP x CP
                 loss /= num_microbatches
             losses.num_tokens = losses.num_tokens + num_tokens
         else:
             loss, reduced = result
+            loss *= self.cp_size  # Megatron's legacy form: a local average
             loss /= num_microbatches
         losses.outputs[microbatch] = reduced
         return loss
@@ -190,9 +202,12 @@ class StageRunner:
         if last:
             losses.outputs[microbatch] = combine_reports(parts.reports)
             del losses.slices[microbatch]
-        if getattr(self.config, "calculate_per_token_loss", False):
+        per_token = getattr(self.config, "calculate_per_token_loss", False)
+        if last and self.cp_group is not None and not per_token:
+            parts.total = tokens_on_all_cp_ranks(parts.num_tokens, self.cp_group, loss.device)
+        if per_token:
             return loss, None
-        return loss, parts.normaliser(num_microbatches)
+        return loss, parts.normaliser(num_microbatches, self.cp_size)
 
     # ---- B, W, BW ----------------------------------------------------------------------------
 

@@ -1,0 +1,322 @@
+"""Megatron-LM's ``pretrain_gpt.py`` with our schedules: everything the patch in ``patches/`` calls.
+
+The patch stays a few lines; the logic lives here:
+
+* :func:`extra_args_provider` adds our ``--pp-*`` flags to Megatron's parser (chained with
+  ModelOpt's provider when pretrain_gpt.py has one).
+* :func:`placed_model_provider` wraps pretrain_gpt's model provider: on its first call it checks
+  Megatron's parsed arguments against the schedule (:func:`check_args`) and installs the hook;
+  then it builds each chunk Megatron asks for (per ``vp_stage``) as the stage the schedule places
+  there.
+* :func:`layer_spec_for` is applied by ``gpt_builders.py`` to the layer spec it chose: sliced
+  attention for ``--pp-seq-slices`` > 1, deferrable linears for the B/W split on the local spec.
+* :func:`needs_data` and :func:`full_batch` answer ``get_batch``'s and the dataset builder's
+  "is this chunk a first or last stage?" for the schedule's placement.
+
+Why the placement works inside Megatron's own model code: megatron-core derives a chunk's layer
+offset and count, whether it has the embedding or the output layer, and Float16Module's fp32 cast
+from the chunk's ``vp_stage`` and the rank its pipeline group reports, as stage = vp_stage x p +
+rank. Every placement we generate keeps stage s in chunk s // p (V-shape puts stage 2p-1-r in
+chunk 1 of rank r), so building chunk c with a pipeline group that reports rank s mod p (Megatron's
+round-robin rank of stage s) makes megatron-core build exactly stage s, with the layer numbers,
+checkpoint keys and pre/post processing of that stage. Nothing else of the group changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from ..schedule.ir import Placement
+from .hook import Installed, OptionError, PipelineOptions, add_args, install
+
+# Megatron flags that drive machinery our runtime replaces: (attribute, flag, why).
+REFUSED_FLAGS = (
+    ("cpu_offloading", "--cpu-offloading", "use --pp-offload (PipeOffload) for activation offload"),
+    (
+        "fine_grained_activation_offloading",
+        "--fine-grained-activation-offloading",
+        "use --pp-offload (PipeOffload) for activation offload",
+    ),
+    (
+        "overlap_moe_expert_parallel_comm",
+        "--overlap-moe-expert-parallel-comm",
+        "it needs Megatron's own combined 1F1B schedule",
+    ),
+    ("delay_wgrad_compute", "--delay-wgrad-compute", "zero-bubble schedules (--pp-schedule zb-*) split W"),
+    ("use_torch_fsdp2", "--use-torch-fsdp2", "use Megatron's DDP (with --use-distributed-optimizer)"),
+    ("use_megatron_fsdp", "--use-megatron-fsdp", "use Megatron's DDP (with --use-distributed-optimizer)"),
+)
+
+
+def extra_args_provider(*others: Callable[[argparse.ArgumentParser], Any] | None) -> Callable:
+    """Megatron's ``extra_args_provider``: our flags, then each of ``others`` (None skipped)."""
+
+    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        add_args(parser)
+        for other in others:
+            if other is not None:
+                parser = other(parser) or parser
+        return parser
+
+    return provide
+
+
+def check_args(args: Any) -> None:
+    """Refuse Megatron arguments our schedule cannot run with; raise OptionError naming the flag."""
+    for attribute, flag, instead in REFUSED_FLAGS:
+        if getattr(args, attribute, False):
+            raise OptionError(f"cannot combine with --pp-schedule {args.pp_schedule}: {instead}", flag)
+    pp = args.pipeline_model_parallel_size
+    options = _with_megatron_chunks(PipelineOptions.from_args(args), args)
+    try:
+        schedule = options.schedule_for(pp, _microbatches(args))
+    except OptionError as error:
+        if error.flag == "--pp-chunks" and args.pp_chunks is None:  # the count came from Megatron's flag
+            raise OptionError(error.reason, "--num-virtual-stages-per-pipeline-rank") from None
+        raise
+    chunks = schedule.num_stages // pp
+    megatron_chunks = args.virtual_pipeline_model_parallel_size or 1
+    if chunks != megatron_chunks:
+        raise OptionError(
+            f"--pp-schedule {schedule.name} runs {chunks} model chunks per pipeline rank but Megatron "
+            f"builds {megatron_chunks}: add --num-virtual-stages-per-pipeline-rank {chunks} "
+            f"(or drop --pp-chunks)"
+            if megatron_chunks == 1
+            else f"--pp-chunks {options.chunks} and --num-virtual-stages-per-pipeline-rank "
+            f"{megatron_chunks} disagree: give one of them",
+            "--num-virtual-stages-per-pipeline-rank",
+        )
+    placement = schedule.placement
+    last_rank = placement.rank_of(placement.num_stages - 1)
+    if last_rank != pp - 1 and getattr(args, "pipeline_model_parallel_layout", None):
+        raise OptionError(
+            f"{schedule.name} places the last stage on rank {last_rank}; a custom layout assumes "
+            "Megatron's round-robin placement: use --num-layers-in-first/last-pipeline-stage instead",
+            "--pipeline-model-parallel-layout",
+        )
+    if last_rank != pp - 1 and not args.untie_embeddings_and_output_weights:
+        raise OptionError(
+            f"{schedule.name} puts the output layer on rank {last_rank}, next to the embedding, "
+            "where Megatron's embedding group cannot tie them: add --untie-embeddings-and-output-weights",
+            "--untie-embeddings-and-output-weights",
+        )
+    if schedule.splits_backward and args.transformer_impl == "transformer_engine":
+        raise OptionError(
+            f"{schedule.name} defers weight gradients (B/W split), proven exact only on the local spec; "
+            "Transformer Engine's own deferred wgrad is not wired yet: add --transformer-impl local",
+            "--transformer-impl",
+        )
+    if (args.context_parallel_size or 1) > 1:
+        raise OptionError(
+            "context parallelism does not run through pretrain_gpt.py with our schedules yet",
+            "--context-parallel-size",
+        )
+    if schedule.slices > 1:
+        from ..schedule.models import megatron_shape
+
+        options.slice_lengths(schedule, args.seq_length, megatron_shape(args))
+
+
+# -- the hook, installed once per process from Megatron's arguments --------------------------------
+
+_state: dict[str, Any] = {}
+
+
+def setup(args: Any) -> Installed:
+    """Check ``args`` and install the hook (once; later calls return it). Megatron's loss reading
+    (``train_step``, ``evaluate``) is on the last pipeline rank, so the hook hands the loss dicts
+    there whichever rank computes them."""
+    hook = _state.get("hook")
+    if hook is None or _state.get("args") is not args:
+        check_args(args)
+        options = _with_megatron_chunks(PipelineOptions.from_args(args), args)
+        hook = install(args, options=options, losses_on_last_rank=True)
+        _state.update(hook=hook, args=args)
+    return hook
+
+
+def placement(args: Any) -> Placement:
+    return setup(args).schedule(args.pipeline_model_parallel_size, _microbatches(args)).placement
+
+
+def sliced(args: Any) -> bool:
+    return (getattr(args, "pp_seq_slices", None) or 1) > 1
+
+
+# -- building the chunks ---------------------------------------------------------------------------
+
+
+class StageRankGroup:
+    """A pipeline process group that reports Megatron's round-robin rank of a chunk's stage.
+
+    Only ``rank()`` differs from the real group; megatron-core reads it to place layers, the
+    embedding and the output layer. Collectives are never run on it (the runtime has its own)."""
+
+    def __init__(self, group: Any, rank: int) -> None:
+        self._group = group
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+
+def stage_of(chunk: int | None, args: Any = None) -> int:
+    """The virtual stage the schedule runs in model chunk ``chunk`` (Megatron's vp_stage) here."""
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    args = args or get_args()
+    layout = placement(args)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    return layout.stages_of(rank)[chunk or 0]
+
+
+def placed_model_provider(provider: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap pretrain_gpt's ``model_provider``: build each chunk as the stage the schedule puts
+    there (see the module docstring), and give sliced chunks their slice context."""
+
+    def build(
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: int | None = None,
+        config: Any = None,
+        pg_collection: Any = None,
+    ) -> Any:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.training import get_args
+
+        args = get_args()
+        layout = placement(args)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        rank = pg_collection.pp.rank()
+        stage = layout.stages_of(rank)[vp_stage or 0]
+        megatron_chunk, megatron_rank = divmod(stage, layout.pp)
+        if megatron_chunk != (vp_stage or 0):
+            raise ValueError(f"stage {stage} is not in Megatron's chunk {vp_stage} on rank {rank}")
+        if megatron_rank != rank:
+            pg_collection = copy.copy(pg_collection)
+            pg_collection.pp = StageRankGroup(pg_collection.pp, megatron_rank)
+        model = provider(
+            pre_process=stage == 0,
+            post_process=stage == layout.num_stages - 1,
+            vp_stage=vp_stage,
+            config=config,
+            pg_collection=pg_collection,
+        )
+        if sliced(args):
+            from .sliced import enable_slicing
+
+            enable_slicing(model)
+        return model
+
+    return build
+
+
+def layer_spec_for(spec: Any) -> Any:
+    """The layer spec gpt_builders chose, made to run our schedules: sliced core attention for
+    ``--pp-seq-slices`` > 1; on the local spec, deferrable linears (the B/W split), SDPA core
+    attention without CUDA (Megatron's local attention needs it) and a norm that allows
+    sequence parallelism. A Transformer Engine spec keeps its TE modules. Unchanged when
+    Megatron's arguments do not have our flags (another script sharing gpt_builders)."""
+    from megatron.training import get_args
+
+    args = get_args()
+    if not hasattr(args, "pp_schedule"):
+        return spec
+    return adapt_layer_spec(spec, sliced=sliced(args))
+
+
+def adapt_layer_spec(spec: Any, sliced: bool) -> Any:
+    """:func:`layer_spec_for` on an explicit ``sliced``; a block spec is adapted layer by layer."""
+    import torch
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from ..attention import SlicedCoreAttention
+    from ..runtime.weight_grad import DeferrableColumnParallelLinear, DeferrableRowParallelLinear
+    from .attention import SDPAttention
+    from .norm import TorchNorm
+
+    swaps = {
+        ColumnParallelLinear: DeferrableColumnParallelLinear,
+        RowParallelLinear: DeferrableRowParallelLinear,
+        WrappedTorchNorm: TorchNorm,
+    }
+    if not torch.cuda.is_available():
+        swaps[DotProductAttention] = SDPAttention
+
+    if isinstance(spec, TransformerBlockSubmodules):
+        spec = copy.copy(spec)
+        spec.layer_specs = [adapt_layer_spec(layer, sliced) for layer in spec.layer_specs]
+        spec.layer_norm = swaps.get(spec.layer_norm, spec.layer_norm)
+        return spec
+    spec = copy.deepcopy(spec)
+    layer = spec.submodules
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        module = getattr(layer, name, None)
+        setattr(layer, name, swaps.get(module, module))
+    attention = getattr(layer.self_attention, "submodules", None)
+    if attention is not None:
+        for name in ("linear_qkv", "linear_proj"):
+            setattr(attention, name, swaps.get(getattr(attention, name), getattr(attention, name)))
+        core = attention.core_attention
+        attention.core_attention = SlicedCoreAttention if sliced else swaps.get(core, core)
+    mlp = getattr(layer.mlp, "submodules", None)
+    if mlp is not None and hasattr(mlp, "linear_fc1"):
+        mlp.linear_fc1 = swaps.get(mlp.linear_fc1, mlp.linear_fc1)
+        mlp.linear_fc2 = swaps.get(mlp.linear_fc2, mlp.linear_fc2)
+    return spec
+
+
+# -- data: which chunks read batches ---------------------------------------------------------------
+
+
+def needs_data(vp_stage: int | None, megatron_answer: bool) -> bool:
+    """Whether model chunk ``vp_stage`` reads tokens or labels: the schedule's first and last
+    stage. ``megatron_answer`` (Megatron's rank-based check) stands when the hook is not set up."""
+    if "hook" not in _state:
+        return megatron_answer
+    num_stages = placement(_state["args"]).num_stages
+    return stage_of(vp_stage, _state["args"]) in (0, num_stages - 1)
+
+
+def full_batch(vp_stage: int | None) -> bool:
+    """Whether ``get_batch_on_this_tp_rank`` must broadcast the whole batch to the tensor-parallel
+    ranks: Megatron broadcasts tokens to rank 0 and labels to rank p-1 only, but the schedule
+    may put the last stage elsewhere (V-shape: on rank 0, with the first)."""
+    if "hook" not in _state:
+        return False
+    from megatron.core import parallel_state
+
+    args = _state["args"]
+    stage = stage_of(vp_stage, args)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    last = placement(args).num_stages - 1
+    return (stage == last and rank != args.pipeline_model_parallel_size - 1) or (stage == 0 and rank != 0)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _microbatches(args: Any) -> int:
+    data_parallel = getattr(args, "data_parallel_size", None) or 1
+    return args.global_batch_size // (args.micro_batch_size * data_parallel)
+
+
+def _with_megatron_chunks(options: PipelineOptions, args: Any) -> PipelineOptions:
+    """``--pp-chunks`` defaults to Megatron's ``--num-virtual-stages-per-pipeline-rank``."""
+    import dataclasses
+
+    megatron_chunks = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if options.chunks is None and megatron_chunks:
+        return dataclasses.replace(options, chunks=megatron_chunks)
+    return options

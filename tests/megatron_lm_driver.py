@@ -1,0 +1,203 @@
+"""Megatron-LM's training pieces on CPU, driven by torchrun: the patched ``pretrain_gpt.py``'s
+model provider through Megatron's ``get_model``, its datasets and ``get_batch``, and Megatron's
+``train_step`` running the installed schedule.
+
+Run as ``torchrun --nproc-per-node N tests/megatron_lm_driver.py MODE OUT -- <pretrain_gpt.py
+flags>`` with the patched Megatron-LM tree on PYTHONPATH. MODE ``chunks`` writes, per rank, what
+each chunk Megatron built holds; MODE ``train`` runs ``train_iters`` train steps and writes the
+losses Megatron's ``train_step`` reports and the final weights by global name.
+
+The CPU shim (test-only; Megatron-LM's training package assumes CUDA in these places, none of
+which the patch touches):
+
+1. ``_initialize_distributed`` creates the model-parallel groups only when CUDA devices exist:
+   this driver calls ``parallel_state.initialize_model_parallel`` first, with the same sizes.
+2. ``get_model`` and ``get_batch`` move chunks and batches with ``.cuda()``: made a no-op; and
+   ``get_model``'s DDP wrapping runs on
+   a CUDA stream: chunks are wrapped by ``megatron_pp_ext.megatron.ddp.wrap_chunks`` (megatron-
+   core's DDP, configured as training.py configures it) instead.
+3. The legacy fused CUDA kernels (``fused_kernels.load``) are not built.
+4. ``get_megatron_optimizer`` needs CUDA: :class:`CpuOptimizer` gives ``train_step`` the
+   interface it calls (zero_grad, step -> (ok, grad norm, zeros)) over the project's CPU AdamW,
+   and the learning-rate scheduler is a constant (:class:`ConstantLR`).
+5. The data-iterator builder broadcasts flags from a CUDA tensor: the driver builds the datasets
+   and data loaders with Megatron's ``build_train_valid_test_datasets`` and
+   ``build_pretraining_data_loader`` itself.
+Plus ``megatron_pp_ext.megatron.cpu_shim`` (torch.cuda.current_device -> CPU, no-op RNG tracker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import zlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+
+class CpuOptimizer:
+    """What ``train_step`` calls on Megatron's optimizer, over the project's CPU AdamW."""
+
+    def __init__(self, model: list, lr: float) -> None:
+        from megatron_pp_ext.megatron.optimizer import MainGradOptimizer, OptimizerSettings
+
+        self.inner = MainGradOptimizer(model, OptimizerSettings(lr=lr, clip_grad=1.0, weight_decay=0.0))
+
+    def zero_grad(self) -> None:
+        pass  # train_step clears the grad buffers itself (zero_grad_buffer)
+
+    def step(self) -> tuple[bool, float, None]:
+        return True, self.inner.step(), None
+
+
+class ConstantLR:
+    def step(self, increment: int) -> None:
+        pass
+
+
+def global_name(name: str, layer_numbers: list[int]) -> str:
+    """``decoder.layers.{i}.x`` of a chunk -> the same name with the model's global layer index."""
+    match = re.match(r"(.*decoder\.layers\.)(\d+)(\..*)", name)
+    if not match:
+        return name
+    return f"{match.group(1)}{layer_numbers[int(match.group(2))] - 1}{match.group(3)}"
+
+
+def named_global_params(model: list) -> dict[str, torch.nn.Parameter]:
+    from megatron.core.utils import unwrap_model
+
+    params = {}
+    for chunk in model:
+        inner = unwrap_model(chunk)
+        numbers = [layer.layer_number for layer in inner.decoder.layers]
+        for name, param in inner.named_parameters():
+            params[global_name(name, numbers)] = param
+    return params
+
+
+def init_by_name(model: list) -> None:
+    """Weights from each parameter's global name, so any placement holds the same model."""
+    with torch.no_grad():
+        for name, param in named_global_params(model).items():
+            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            value = 1.0 + 0.1 * noise if "norm" in name else 0.05 * noise
+            param.copy_(value.to(param.dtype))
+
+
+def chunk_summary(model: list) -> list[dict]:
+    from megatron.core.utils import unwrap_model
+
+    summary = []
+    for chunk in model:
+        inner = unwrap_model(chunk)
+        summary.append(
+            {
+                "pre": inner.pre_process,
+                "post": inner.post_process,
+                "embedding": hasattr(inner, "embedding"),
+                "output_layer": hasattr(inner, "output_layer"),
+                "layers": [layer.layer_number for layer in inner.decoder.layers],
+            }
+        )
+    return summary
+
+
+def initialize(argv: list[str]) -> None:
+    from megatron.core import parallel_state
+
+    sizes = argparse.ArgumentParser()
+    sizes.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    sizes.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    sizes.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    known, _ = sizes.parse_known_args(argv)
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(  # shim 1
+        known.tensor_model_parallel_size,
+        known.pipeline_model_parallel_size,
+        known.num_virtual_stages_per_pipeline_rank,
+    )
+
+
+def main() -> None:
+    mode, out_path, _, *argv = sys.argv[1:]
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self  # shim 2
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    from megatron_pp_ext.megatron import cpu_shim
+
+    cpu_shim.install()
+    initialize(argv)
+    sys.argv = ["pretrain_gpt.py", *argv]
+    import megatron.legacy.fused_kernels as fused_kernels
+    import pretrain_gpt
+    from megatron.core import pipeline_parallel
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.enums import ModelType
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_args
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import (
+        build_pretraining_data_loader,
+        build_train_valid_test_datasets,
+        get_model,
+        train_step,
+    )
+
+    from megatron_pp_ext.megatron import pretrain as pp_ext
+    from megatron_pp_ext.megatron.ddp import wrap_chunks
+
+    fused_kernels.load = lambda args: None  # shim 3
+    initialize_megatron(
+        extra_args_provider=pp_ext.extra_args_provider(),
+        allow_no_cuda=True,
+        get_embedding_ranks=pretrain_gpt.get_embedding_ranks,
+    )
+    args = get_args()
+    provider = pp_ext.placed_model_provider(partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder))
+    model = get_model(provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
+    result: dict = {"chunks": chunk_summary(model)}
+    if mode == "train":
+        init_by_name(model)
+        model = wrap_chunks(model, DistributedDataParallelConfig())  # shim 2
+        config = get_model_config(model[0])
+        optimizer = CpuOptimizer(model, args.lr)  # shim 4
+        args.iteration = args.consumed_train_samples = args.consumed_valid_samples = 0  # no checkpoint
+        iterators = []
+        for vp_stage in range(len(model)):
+            dataset_provider = partial(pretrain_gpt.train_valid_test_datasets_provider, vp_stage=vp_stage)
+            dataset_provider.is_distributed = True
+            train_ds = build_train_valid_test_datasets(dataset_provider)[0]  # shim 5
+            loader = build_pretraining_data_loader(train_ds, 0) if train_ds else None
+            iterators.append(RerunDataIterator(iter(loader)) if loader else None)
+        losses = []
+        for iteration in range(args.train_iters):
+            loss, *_ = train_step(
+                pretrain_gpt.forward_step,
+                iterators if len(iterators) > 1 else iterators[0],
+                model,
+                optimizer,
+                ConstantLR(),
+                config,
+                pipeline_parallel.get_forward_backward_func(),  # the hook's, once installed
+                iteration,
+            )
+            losses.append({key: float(value) for key, value in loss.items()})
+        result["losses"] = losses
+        result["weights"] = {
+            name: param.detach().double().tolist() for name, param in named_global_params(model).items()
+        }
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as file:
+            json.dump(gathered, file)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
