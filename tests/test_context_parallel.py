@@ -9,10 +9,12 @@ and CP rank r holds pieces r and 2CP-1-r (Megatron's load-balanced layout, per s
   current slice all-gathered, gradients reduce-scattered), with uneven slices, GQA, each backend
   and SlimPipe's delegation of the oldest slices; outputs and dq/dk/dv of each rank's tokens
   against plain causal attention over the whole sequence.
-* CP2 x PP2 on 4 processes through megatron-core's DDP and ``finalize_model_grads``: losses
-  (summed over the CP ranks), every finalized ``main_grad``, the grad norm and the parameters
-  after 2 AdamW steps against the whole model in one process; random loss masks, so the CP ranks
-  hold different token counts and the loss normalisation has to use the count of all of them.
+* CP2 x PP2 (and TP2 x SP x CP2 on one stage) on 4 processes through megatron-core's DDP and
+  ``finalize_model_grads``: losses (summed over the CP ranks), every finalized ``main_grad``, the
+  grad norm and the parameters after 2 AdamW steps against the whole model without a pipeline in
+  one process (at the same TP); random loss masks, so the CP ranks hold different token counts
+  and the loss normalisation has to use the count of all of them. One case in float64, where
+  exact means 1e-12, so no fp32 rounding can hide an error.
 """
 
 from __future__ import annotations
@@ -161,10 +163,18 @@ def attention_worker(rank: int, world: int) -> dict:
             errors.append(rel_error(outputs[j].detach(), mine(want.detach(), j)))
             for got, leaf in ((qj, leaves[0]), (kj, leaves[1]), (vj, leaves[2])):
                 errors.append(rel_error(got.grad, mine(leaf.grad, j)))
+        finished = cache.finished
+        # a forward-only pass (evaluation): the same outputs, without autograd
+        counter.current_delegation = None
+        cache = LayerCache("forward only")
+        with torch.no_grad():
+            for j, (qj, kj, vj) in enumerate(inputs):
+                out = context_parallel_attention(qj, kj, vj, cache, j, scale, backend, dist.group.WORLD)
+                errors.append(rel_error(out, mine(want.detach(), j)))
         results[(backend_name, lengths, delegate)] = {
             "error": max(errors),
             "backend": backend.name,
-            "finished": cache.finished,
+            "finished": finished,
             "pairs": (counter.local, counter.remote),
         }
     return results
@@ -199,11 +209,12 @@ class Case:
     slices: int = 1
     seq_length: int = 32
     redistribution: float = 0.0
+    dtype: str = "float32"
     extra: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
-        parts = [self.schedule, f"k{self.slices}", f"s{self.seq_length}"]
+        parts = [self.schedule, f"k{self.slices}", f"s{self.seq_length}", self.dtype]
         parts += ["redistribution"] if self.redistribution else []
         parts += ["per-token"] if self.extra.get("calculate_per_token_loss") else []
         return "-".join(parts)
@@ -211,6 +222,7 @@ class Case:
 
 CP2_PP2 = [
     Case("seq1f1b", slices=4, seq_length=48),  # balanced slices of 16, 8, 16, 8 tokens
+    Case("seq1f1b", slices=4, seq_length=48, dtype="float64"),  # no rounding to hide an error in
     Case("1f1b", microbatches=3, seq_length=16),  # unsliced: CP attention with one slice
     Case("zb-h1", slices=2),  # the B/W split: the reduce-scatter runs in B
     Case("slimpipe", slices=4, redistribution=0.5),
@@ -218,8 +230,30 @@ CP2_PP2 = [
 ]
 # TP2 (sequence parallel) x CP2, one pipeline stage: a rank's quarter of each slice
 TP2_SP_CP2 = [Case("seq1f1b", slices=2), Case("1f1b", seq_length=16)]
-# name -> (TP, CP, PP, sequence parallel, cases); 4 processes each
-LAUNCHES = {"cp2-pp2": (1, 2, 2, False, CP2_PP2), "tp2-sp-cp2": (2, 2, 1, True, TP2_SP_CP2)}
+# CP2 x DP2, one stage: DDP reduces over DP x CP (overlapped, distributed-optimizer layout)
+CP2_DP2 = [Case("seq1f1b", slices=2)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    cp: int
+    pp: int
+    sequence_parallel: bool = False
+    overlap_grad_reduce: bool = False
+    distributed_optimizer: bool = False
+
+    @property
+    def dp(self) -> int:
+        return 4 // (self.tp * self.cp * self.pp)
+
+
+# 4 processes each: name -> (layout, cases)
+LAUNCHES = {
+    "cp2-pp2": (Layout(tp=1, cp=2, pp=2), CP2_PP2),
+    "tp2-sp-cp2": (Layout(tp=2, cp=2, pp=1, sequence_parallel=True), TP2_SP_CP2),
+    "cp2-dp2": (Layout(tp=1, cp=2, pp=1, overlap_grad_reduce=True, distributed_optimizer=True), CP2_DP2),
+}
 
 
 def _model(case: Case, sequence_parallel: bool):
@@ -233,7 +267,7 @@ def _model(case: Case, sequence_parallel: bool):
         ffn_hidden_size=64,
         vocab_size=64,
         seq_length=case.seq_length,
-        dtype="float64",
+        dtype=case.dtype,
         extra={**case.extra, "sequence_parallel": sequence_parallel},
     )
 
@@ -253,9 +287,7 @@ def _reference_losses(reference, batches: list[dict], per_token: bool) -> tuple[
     return rows, tokens
 
 
-def cp_worker(
-    rank: int, world: int, tp: int, cp: int, pp: int, sequence_parallel: bool, cases: list[Case]
-) -> dict:
+def cp_worker(rank: int, world: int, layout: Layout, cases: list[Case]) -> dict:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -263,18 +295,20 @@ def cp_worker(
     from megatron_pp_ext.megatron.ddp import wrap_chunks, zero_grad_buffers
     from megatron_pp_ext.megatron.hook import PipelineOptions
     from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
-    from megatron_pp_ext.megatron.optimizer import MainGradOptimizer, OptimizerSettings
+    from megatron_pp_ext.megatron.optimizer import MainGradOptimizer, OptimizerSettings, gather_grad_shards
     from megatron_pp_ext.megatron.steps import forward_step, on_this_cp_rank
     from megatron_pp_ext.runtime import PipeComm, PipelineRuntime, forward_backward
 
     cpu_shim.install()
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
     init_parallel_state(pp, tp, cp)
     cp_group = parallel_state.get_context_parallel_group()
     cp_rank = parallel_state.get_context_parallel_rank()
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     pipeline = torch.distributed.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     comm = PipeComm(pipeline, timeout_s=60)
     settings = OptimizerSettings(lr=1e-3, clip_grad=0.0)
-    report: dict = {"cp_rank": cp_rank, "pipeline": pipeline}
+    report: dict = {"cp_rank": cp_rank, "dp_rank": dp_rank, "dp": dp}
     for case in cases:
         entry: dict = {}
         report[case.name] = entry
@@ -283,12 +317,17 @@ def cp_worker(
                 schedule=case.schedule, slices=case.slices, attn_redistribution=case.redistribution
             )
             schedule = options.schedule_for(pp, case.microbatches)
-            model_cfg = _model(case, sequence_parallel)
+            model_cfg = _model(case, layout.sequence_parallel)
             torch.manual_seed(1234)
             reference = build_reference(model_cfg)  # every token in this process (at the same TP)
             chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, comm.rank)
             assert all(chunk.config.context_parallel_size == cp for chunk in chunks)
-            model = wrap_chunks(chunks, DistributedDataParallelConfig(bucket_size=2000))
+            ddp_config = DistributedDataParallelConfig(
+                overlap_grad_reduce=layout.overlap_grad_reduce,
+                use_distributed_optimizer=layout.distributed_optimizer,
+                bucket_size=2000,
+            )
+            model = wrap_chunks(chunks, ddp_config)
             runtime = PipelineRuntime(
                 model,
                 comm,
@@ -309,22 +348,24 @@ def cp_worker(
             loss_errors: list[float] = []
             norm_errors: list[float] = []
             for step in range(STEPS):
-                batches = make_batches(model_cfg, case.microbatches, seed=1000 * step + 7)
+                batches = make_batches(model_cfg, case.microbatches * dp, seed=1000 * step + 7)
+                mine = [batches[i * dp + dp_rank] for i in range(case.microbatches)]  # Megatron's order
                 # the model's own cut of a batch is Megatron-LM's get_batch_on_this_cp_rank: our layout
-                cut = on_this_cp_rank(dict(batches[0]), model[0])
-                assert torch.equal(cut["tokens"], take_local(batches[0]["tokens"], 1, cp, cp_rank))
+                cut = on_this_cp_rank(dict(mine[0]), model[0])
+                assert torch.equal(cut["tokens"], take_local(mine[0]["tokens"], 1, cp, cp_rank))
                 zero_grad_buffers(model)
                 losses = forward_backward(
                     runtime,
                     schedule,
                     forward_step_func=forward_step,
-                    data_iterator=[iter(batches) for _ in model],
+                    data_iterator=[iter(mine) for _ in model],
                     model=model,
                     num_microbatches=case.microbatches,
                     seq_length=model_cfg.seq_length,
                     micro_batch_size=MICRO_BATCH,
                 )
                 ref_optimizer.zero_grad(set_to_none=True)
+                gather_grad_shards(model)
                 ref_rows, _ = _reference_losses(reference, batches, per_token)
                 _reduce_sequence_parallel_grads(reference)
                 for chunk in model:
@@ -337,7 +378,7 @@ def cp_worker(
                     local = torch.stack([item["lm loss"].double() for item in losses])
                     torch.distributed.all_reduce(local, group=cp_group)
                     entry["local_counts"] = [float(item["lm loss"][1]) for item in losses]
-                    for got, want in zip(local.tolist(), ref_rows):
+                    for got, want in zip(local.tolist(), ref_rows[dp_rank::dp]):
                         loss_errors.append(abs(got[0] - want[0]) / abs(want[0]))
                         assert got[1] == want[1], (got, want)
                 norm = optimizer.step()
@@ -371,26 +412,29 @@ def _launch(name: str) -> tuple:
 
 
 def _check(launch: str, case: Case) -> None:
-    tp, cp, pp, sequence_parallel, _ = LAUNCHES[launch]
+    layout = LAUNCHES[launch][0]
     reports = _launch(launch)
+    assert all(r["dp"] == layout.dp for r in reports)
     assert sorted(r["cp_rank"] for r in reports) == [0, 0, 1, 1]
     entries = [r[case.name] for r in reports]
     errors = [f"rank {rank}: {e['error']}" for rank, e in enumerate(entries) if "error" in e]
     assert not errors, "\n".join(errors)
+    tolerance = TOLERANCE if case.dtype == "float32" else 1e-12
     for rank, entry in enumerate(entries):
         worst = max(entry["grad_errors"].items(), key=lambda kv: kv[1])
-        assert worst[1] < TOLERANCE, f"rank {rank}: gradient of {worst[0]} off by {worst[1]:.3g}"
-        assert max(entry["norm_errors"]) < TOLERANCE, f"rank {rank}: grad norm off {entry['norm_errors']}"
+        assert worst[1] < tolerance, f"rank {rank}: gradient of {worst[0]} off by {worst[1]:.3g}"
+        assert max(entry["norm_errors"]) < tolerance, f"rank {rank}: grad norm off {entry['norm_errors']}"
         worst = max(entry["param_errors"].items(), key=lambda kv: kv[1])
-        assert worst[1] < TOLERANCE, (
+        assert worst[1] < tolerance, (
             f"rank {rank}: parameter {worst[0]} off by {worst[1]:.3g} after {STEPS} steps"
         )
-        assert entry["sequence_share"] == cp * (tp if sequence_parallel else 1)  # a message's share
-    loss_ranks = [(r["cp_rank"], e) for r, e in zip(reports, entries) if e["is_loss_rank"]]
-    assert len(loss_ranks) == tp * cp  # the last stage of every pipeline
+        share = layout.cp * (layout.tp if layout.sequence_parallel else 1)
+        assert entry["sequence_share"] == share  # what a message carries of a slice
+    loss_ranks = [(r, e) for r, e in zip(reports, entries) if e["is_loss_rank"]]
+    assert len(loss_ranks) == layout.tp * layout.cp * layout.dp  # the last stage of every pipeline
     assert all(e["loss_errors"] and max(e["loss_errors"]) < TOLERANCE for _, e in loss_ranks)
     # random loss masks: the CP ranks hold different token counts (so the normalisation is tested)
-    counts = {cp_rank: e["local_counts"] for cp_rank, e in loss_ranks}
+    counts = {r["cp_rank"]: e["local_counts"] for r, e in loss_ranks if r["dp_rank"] == 0}
     assert counts[0] != counts[1]
     if case.redistribution:
         assert sum(e["attention"][2] for e in entries) > 0, "redistribution moved no attention"
@@ -404,6 +448,11 @@ def test_cp2_pp2_equals_one_process(case: Case) -> None:
 @pytest.mark.parametrize("case", TP2_SP_CP2, ids=lambda c: c.name)
 def test_tp2_sp_cp2_equals_the_unpipelined_model_at_tp2(case: Case) -> None:
     _check("tp2-sp-cp2", case)
+
+
+@pytest.mark.parametrize("case", CP2_DP2, ids=lambda c: c.name)
+def test_cp2_dp2_equals_one_process(case: Case) -> None:
+    _check("cp2-dp2", case)
 
 
 def test_cp_needs_slices_that_cut_into_2cp_pieces() -> None:

@@ -189,7 +189,8 @@ class _ContextParallelSliceAttention(torch.autograd.Function):
             dq = dq + dq_remote.to(dq.dtype)
             cache.add_grads(start, dk_remote, dv_remote)
         if dprefix is not None:
-            cache.add_grads(index, dprefix[0].to(k.dtype), dprefix[1].to(k.dtype), start=start)
+            held = cache.grad_dtype or k.dtype  # what the cache keeps, converted once
+            cache.add_grads(index, dprefix[0].to(held), dprefix[1].to(held), start=start)
         later = cache.finish(index)
         if later is not None:
             dk += later[0]

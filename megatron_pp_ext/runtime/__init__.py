@@ -5,7 +5,7 @@ Entry points: :class:`PipelineRuntime` (built once per rank with its chunks and 
 :func:`forward_backward` (the same with Megatron's ``forward_backward_func`` arguments)::
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    init_parallel_state(pp, tp)                           # TP x PP x DP from Megatron's parallel_state
+    init_parallel_state(pp, tp, cp)                       # TP x CP x PP x DP from Megatron's parallel_state
     schedule = generate("zb-h1", pp, microbatches)
     chunks = build_chunks(model_config, schedule.placement, rank)   # GPTModel per virtual stage
     pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
