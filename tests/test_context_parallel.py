@@ -24,9 +24,15 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from compose_case import (
+    compose_pipeline,
+    param_errors,
+    record_grad_errors,
+    reduce_sequence_parallel_grads,
+    reference_norm,
+)
 from dist_utils import check_ok, run_ranks
 from runtime_case import MICRO_BATCH, make_batches, rel_error
-from test_parallel_compose import _reduce_sequence_parallel_grads, _reference_norm
 
 from megatron_pp_ext.attention.cp_layout import (
     local_positions,
@@ -289,15 +295,14 @@ def _reference_losses(reference, batches: list[dict], per_token: bool) -> tuple[
 
 def cp_worker(rank: int, world: int, layout: Layout, cases: list[Case]) -> dict:
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_pp_ext.megatron import cpu_shim
-    from megatron_pp_ext.megatron.ddp import wrap_chunks, zero_grad_buffers
+    from megatron_pp_ext.megatron.ddp import zero_grad_buffers
     from megatron_pp_ext.megatron.hook import PipelineOptions
-    from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
-    from megatron_pp_ext.megatron.optimizer import MainGradOptimizer, OptimizerSettings, gather_grad_shards
+    from megatron_pp_ext.megatron.model import build_reference, init_parallel_state
+    from megatron_pp_ext.megatron.optimizer import OptimizerSettings, gather_grad_shards
     from megatron_pp_ext.megatron.steps import forward_step, on_this_cp_rank
-    from megatron_pp_ext.runtime import PipeComm, PipelineRuntime, forward_backward
+    from megatron_pp_ext.runtime import PipeComm, forward_backward
 
     cpu_shim.install()
     tp, cp, pp = layout.tp, layout.cp, layout.pp
@@ -320,29 +325,23 @@ def cp_worker(rank: int, world: int, layout: Layout, cases: list[Case]) -> dict:
             model_cfg = _model(case, layout.sequence_parallel)
             torch.manual_seed(1234)
             reference = build_reference(model_cfg)  # every token in this process (at the same TP)
-            chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, comm.rank)
-            assert all(chunk.config.context_parallel_size == cp for chunk in chunks)
-            ddp_config = DistributedDataParallelConfig(
-                overlap_grad_reduce=layout.overlap_grad_reduce,
-                use_distributed_optimizer=layout.distributed_optimizer,
-                bucket_size=2000,
-            )
-            model = wrap_chunks(chunks, ddp_config)
-            runtime = PipelineRuntime(
-                model,
+            pipeline = compose_pipeline(
+                reference,
+                model_cfg,
+                schedule,
                 comm,
-                (model_cfg.seq_length, MICRO_BATCH, model_cfg.hidden_size),
-                model_cfg.torch_dtype,
-                attn_redistribution=case.redistribution,
+                settings,
+                layout.overlap_grad_reduce,
+                layout.distributed_optimizer,
+                case.redistribution,
             )
-            optimizer = MainGradOptimizer(model, settings)
-            ref_optimizer = torch.optim.AdamW(
-                reference.parameters(),
-                lr=settings.lr,
-                weight_decay=settings.weight_decay,
-                betas=settings.betas,
+            model, runtime, optimizer, ref_optimizer = (
+                pipeline.model,
+                pipeline.runtime,
+                pipeline.optimizer,
+                pipeline.ref_optimizer,
             )
-            ref_params = dict(reference.named_parameters())
+            assert all(chunk.module.config.context_parallel_size == cp for chunk in model)
             per_token = bool(case.extra.get("calculate_per_token_loss"))
             grad_errors: dict[str, float] = {}
             loss_errors: list[float] = []
@@ -367,12 +366,8 @@ def cp_worker(rank: int, world: int, layout: Layout, cases: list[Case]) -> dict:
                 ref_optimizer.zero_grad(set_to_none=True)
                 gather_grad_shards(model)
                 ref_rows, _ = _reference_losses(reference, batches, per_token)
-                _reduce_sequence_parallel_grads(reference)
-                for chunk in model:
-                    for param in chunk.parameters():
-                        name = names_of[id(param)]
-                        error = rel_error(param.main_grad, ref_params[name].grad)
-                        grad_errors[name] = max(grad_errors.get(name, 0.0), error)
+                reduce_sequence_parallel_grads(reference)
+                record_grad_errors(pipeline, grad_errors)
                 if runtime.last_result.is_loss_rank:
                     # each CP rank reports its own tokens: their sums are the microbatch's
                     local = torch.stack([item["lm loss"].double() for item in losses])
@@ -382,17 +377,13 @@ def cp_worker(rank: int, world: int, layout: Layout, cases: list[Case]) -> dict:
                         loss_errors.append(abs(got[0] - want[0]) / abs(want[0]))
                         assert got[1] == want[1], (got, want)
                 norm = optimizer.step()
-                ref_norm = _reference_norm(reference)
+                ref_norm = reference_norm(reference)
                 norm_errors.append(abs(norm - ref_norm) / ref_norm)
                 ref_optimizer.step()
             entry["grad_errors"] = grad_errors
             entry["loss_errors"] = loss_errors
             entry["norm_errors"] = norm_errors
-            entry["param_errors"] = {
-                names_of[id(p)]: rel_error(p.detach(), ref_params[names_of[id(p)]].detach())
-                for chunk in model
-                for p in chunk.parameters()
-            }
+            entry["param_errors"] = param_errors(pipeline)
             entry["is_loss_rank"] = runtime.last_result.is_loss_rank
             entry["sequence_share"] = runtime.sequence_share
             attention = runtime.last_result.attention

@@ -18,8 +18,15 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from compose_case import (
+    compose_pipeline,
+    param_errors,
+    record_grad_errors,
+    reduce_sequence_parallel_grads,
+    reference_norm,
+)
 from dist_utils import check_ok, run_ranks
-from runtime_case import MICRO_BATCH, forward_step, loss_values, make_batches, rel_error
+from runtime_case import MICRO_BATCH, forward_step, loss_values, make_batches
 
 STEPS = 3
 TOLERANCE = 1e-5
@@ -89,36 +96,14 @@ def _schedule(case: Case, pp: int):
     return options.schedule_for(pp, case.microbatches)
 
 
-def _reduce_sequence_parallel_grads(model: torch.nn.Module) -> None:
-    """What finalize_model_grads does for SP norms, on the reference (no DDP there)."""
-    from megatron.core import parallel_state
-
-    for param in model.parameters():
-        if getattr(param, "sequence_parallel", False) and param.grad is not None:
-            torch.distributed.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
-
-
-def _reference_norm(model: torch.nn.Module) -> float:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
-
-    total = torch.zeros((), dtype=torch.float64)
-    for param in model.parameters():
-        if param_is_not_tensor_parallel_duplicate(param):
-            total += param.grad.double().pow(2).sum()
-    torch.distributed.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
-    return float(total.sqrt())
-
-
 def compose_worker(rank: int, world: int, tp: int, sequence_parallel: bool, cases: list[Case]) -> dict:
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_pp_ext.megatron import cpu_shim
-    from megatron_pp_ext.megatron.ddp import wrap_chunks, zero_grad_buffers
-    from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
-    from megatron_pp_ext.megatron.optimizer import MainGradOptimizer, OptimizerSettings, gather_grad_shards
-    from megatron_pp_ext.runtime import PipeComm, PipelineRuntime, forward_backward, reference_step
+    from megatron_pp_ext.megatron.ddp import zero_grad_buffers
+    from megatron_pp_ext.megatron.model import build_reference, init_parallel_state
+    from megatron_pp_ext.megatron.optimizer import OptimizerSettings, gather_grad_shards
+    from megatron_pp_ext.runtime import PipeComm, forward_backward, reference_step
 
     cpu_shim.install()
     pp = 2
@@ -138,30 +123,23 @@ def compose_worker(rank: int, world: int, tp: int, sequence_parallel: bool, case
             model_cfg = _model(2 * pp + 1, sequence_parallel, 32 if sliced else 16)
             torch.manual_seed(1234)
             reference = build_reference(model_cfg)
-            chunks, names_of = build_chunks_from(
-                reference, model_cfg, schedule.placement, comm.rank, sliced=sliced
-            )
-            ddp_config = DistributedDataParallelConfig(
-                overlap_grad_reduce=case.overlap_grad_reduce,
-                use_distributed_optimizer=case.distributed_optimizer,
-                bucket_size=2000,  # several buckets even for the tiny model
-            )
-            model = wrap_chunks(chunks, ddp_config)
-            runtime = PipelineRuntime(
-                model,
+            pipeline = compose_pipeline(
+                reference,
+                model_cfg,
+                schedule,
                 comm,
-                (model_cfg.seq_length, MICRO_BATCH, model_cfg.hidden_size),
-                model_cfg.torch_dtype,
-                attn_redistribution=case.redistribution,
+                settings,
+                case.overlap_grad_reduce,
+                case.distributed_optimizer,
+                case.redistribution,
+                sliced,
             )
-            optimizer = MainGradOptimizer(model, settings)
-            ref_optimizer = torch.optim.AdamW(
-                reference.parameters(),
-                lr=settings.lr,
-                weight_decay=settings.weight_decay,
-                betas=settings.betas,
+            model, runtime, optimizer, ref_optimizer = (
+                pipeline.model,
+                pipeline.runtime,
+                pipeline.optimizer,
+                pipeline.ref_optimizer,
             )
-            ref_params = dict(reference.named_parameters())
             m = schedule.microbatches
             grad_errors: dict[str, float] = {}
             loss_errors: list[float] = []
@@ -185,29 +163,21 @@ def compose_worker(rank: int, world: int, tp: int, sequence_parallel: bool, case
                 # the reference: the whole global batch in one process
                 ref_optimizer.zero_grad(set_to_none=True)
                 ref_losses = loss_values(reference_step(reference, forward_step, iter(batches), m * dp))
-                _reduce_sequence_parallel_grads(reference)
-                for chunk in model:
-                    for param in chunk.parameters():
-                        name = names_of[id(param)]
-                        error = rel_error(param.main_grad, ref_params[name].grad)
-                        grad_errors[name] = max(grad_errors.get(name, 0.0), error)
+                reduce_sequence_parallel_grads(reference)
+                record_grad_errors(pipeline, grad_errors)
                 if runtime.last_result.is_loss_rank:
                     got = loss_values(losses)
                     want = [ref_losses[i * dp + dp_rank] for i in range(m)]
                     loss_errors += [abs(a - b) / abs(b) for a, b in zip(got, want)]
                     entry["loss_count"] = (len(got), len(want))
                 norm = optimizer.step()
-                ref_norm = _reference_norm(reference)
+                ref_norm = reference_norm(reference)
                 norm_errors.append(abs(norm - ref_norm) / ref_norm)
                 ref_optimizer.step()
             entry["grad_errors"] = grad_errors
             entry["loss_errors"] = loss_errors
             entry["norm_errors"] = norm_errors
-            entry["param_errors"] = {
-                names_of[id(p)]: rel_error(p.detach(), ref_params[names_of[id(p)]].detach())
-                for chunk in model
-                for p in chunk.parameters()
-            }
+            entry["param_errors"] = param_errors(pipeline)
             entry["is_loss_rank"] = runtime.last_result.is_loss_rank
             offload = runtime.last_result.offload
             entry["offloaded_bytes"] = 0 if offload is None else offload.offloaded_bytes

@@ -367,7 +367,7 @@ def install(
         choices = ", ".join(SCHEDULES)
         raise OptionError(f"unknown schedule {options.schedule!r}; choose from {choices}", "--pp-schedule")
     pp = getattr(args, "pipeline_model_parallel_size", None)
-    microbatches = _num_microbatches(args)
+    microbatches = num_microbatches(args)
     if pp and microbatches is not None:
         schedule = options.schedule_for(pp, microbatches)  # fail early, with the flag named
         if schedule.slices > 1 and getattr(args, "seq_length", None):
@@ -392,7 +392,8 @@ def _check_context_parallel(lengths: tuple[int, ...], args: Any) -> None:
         raise OptionError(str(error), "--pp-seq-slices") from None
 
 
-def _num_microbatches(args: Any) -> int | None:
+def num_microbatches(args: Any) -> int | None:
+    """Microbatches per step from Megatron's batch arguments (None if they are missing)."""
     try:
         data_parallel = getattr(args, "data_parallel_size", None) or 1
         return args.global_batch_size // (args.micro_batch_size * data_parallel)

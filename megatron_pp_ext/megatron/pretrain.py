@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..schedule.ir import Placement
-from .hook import Installed, OptionError, PipelineOptions, add_args, install
+from .hook import Installed, OptionError, PipelineOptions, add_args, install, num_microbatches
 
 # Megatron flags that drive machinery our runtime replaces: (attribute, flag, why).
 REFUSED_FLAGS = (
@@ -72,7 +72,7 @@ def check_args(args: Any) -> None:
     pp = args.pipeline_model_parallel_size
     options = _with_megatron_chunks(PipelineOptions.from_args(args), args)
     try:
-        schedule = options.schedule_for(pp, _microbatches(args))
+        schedule = options.schedule_for(pp, num_microbatches(args))
     except OptionError as error:
         if error.flag == "--pp-chunks" and args.pp_chunks is None:  # the count came from Megatron's flag
             raise OptionError(error.reason, "--num-virtual-stages-per-pipeline-rank") from None
@@ -139,7 +139,7 @@ def setup(args: Any) -> Installed:
 
 
 def placement(args: Any) -> Placement:
-    return setup(args).schedule(args.pipeline_model_parallel_size, _microbatches(args)).placement
+    return setup(args).schedule(args.pipeline_model_parallel_size, num_microbatches(args)).placement
 
 
 def sliced(args: Any) -> bool:
@@ -305,11 +305,6 @@ def full_batch(vp_stage: int | None) -> bool:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def _microbatches(args: Any) -> int:
-    data_parallel = getattr(args, "data_parallel_size", None) or 1
-    return args.global_batch_size // (args.micro_batch_size * data_parallel)
 
 
 def _with_megatron_chunks(options: PipelineOptions, args: Any) -> PipelineOptions:
