@@ -23,6 +23,10 @@ which the patch touches):
 5. The data-iterator builder broadcasts flags from a CUDA tensor: the driver builds the datasets
    and data loaders with Megatron's ``build_train_valid_test_datasets`` and
    ``build_pretraining_data_loader`` itself.
+6. ``initialize_megatron`` runs ``make`` on the dataset index helpers, whose Makefile names the
+   module after ``python3-config`` (which may be another Python than this venv's) and needs
+   pybind11: the test copies the installed megatron-core's helpers (same release, built for this
+   interpreter) into the tree, and the driver skips the ``make`` once they import.
 Plus ``megatron_pp_ext.megatron.cpu_shim`` (torch.cuda.current_device -> CPU, no-op RNG tracker).
 """
 
@@ -152,6 +156,10 @@ def main() -> None:
     from megatron_pp_ext.megatron.ddp import wrap_chunks
 
     fused_kernels.load = lambda args: None  # shim 3
+    import megatron.core.datasets.helpers_cpp  # noqa: F401  (shim 6: fails here if not copied)
+    import megatron.core.datasets.utils as dataset_utils
+
+    dataset_utils.compile_helpers = lambda: None  # shim 6
     initialize_megatron(
         extra_args_provider=pp_ext.extra_args_provider(),
         allow_no_cuda=True,

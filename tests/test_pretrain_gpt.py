@@ -57,7 +57,9 @@ def patched_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # installed megatron-core (same release) has them built for this interpreter.
     import megatron.core.datasets as installed
 
-    for built in Path(installed.__file__).parent.glob("helpers_cpp*"):
+    helpers = list(Path(installed.__file__).parent.glob("helpers_cpp*"))
+    assert helpers, "the installed megatron-core has no built helpers_cpp module"
+    for built in helpers:
         shutil.copy(built, tree / "megatron" / "core" / "datasets" / built.name)
     return tree
 
