@@ -27,6 +27,8 @@ which the patch touches):
    module after ``python3-config`` (which may be another Python than this venv's) and needs
    pybind11: the test copies the installed megatron-core's helpers (same release, built for this
    interpreter) into the tree, and the driver skips the ``make`` once they import.
+7. ``validate_args`` asks ``torch.cuda`` for the device's compute capability under TP or CP > 1
+   (to require CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell): answered as a Blackwell device.
 Plus ``megatron_pp_ext.megatron.cpu_shim`` (torch.cuda.current_device -> CPU, no-op RNG tracker).
 """
 
@@ -72,19 +74,24 @@ def global_name(name: str, layer_numbers: list[int]) -> str:
 
 
 def named_global_params(model: list) -> dict[str, torch.nn.Parameter]:
+    """Parameters by global name; a tensor-parallel shard's name ends in ``@tp<rank>``."""
+    from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
 
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     params = {}
     for chunk in model:
         inner = unwrap_model(chunk)
         numbers = [layer.layer_number for layer in inner.decoder.layers]
         for name, param in inner.named_parameters():
-            params[global_name(name, numbers)] = param
+            shard = f"@tp{tp_rank}" if getattr(param, "tensor_model_parallel", False) else ""
+            params[global_name(name, numbers) + shard] = param
     return params
 
 
 def init_by_name(model: list) -> None:
-    """Weights from each parameter's global name, so any placement holds the same model."""
+    """Weights from each parameter's global name, so any placement holds the same model (with
+    the same tensor-parallel size: each shard draws from its own name)."""
     with torch.no_grad():
         for name, param in named_global_params(model).items():
             generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
@@ -118,12 +125,14 @@ def initialize(argv: list[str]) -> None:
     sizes.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     sizes.add_argument("--tensor-model-parallel-size", type=int, default=1)
     sizes.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    sizes.add_argument("--context-parallel-size", type=int, default=1)
     known, _ = sizes.parse_known_args(argv)
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(  # shim 1
         known.tensor_model_parallel_size,
         known.pipeline_model_parallel_size,
         known.num_virtual_stages_per_pipeline_rank,
+        context_parallel_size=known.context_parallel_size,
     )
 
 
@@ -156,6 +165,9 @@ def main() -> None:
     from megatron_pp_ext.megatron.ddp import wrap_chunks
 
     fused_kernels.load = lambda args: None  # shim 3
+    from megatron.training import arguments
+
+    arguments.get_device_arch_version = lambda: 10  # shim 7
     import megatron.core.datasets.helpers_cpp  # noqa: F401  (shim 6: fails here if not copied)
     import megatron.core.datasets.utils as dataset_utils
 

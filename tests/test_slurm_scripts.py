@@ -79,10 +79,7 @@ cases = json.load(open(sys.argv[1]))
 sys.path.insert(0, sys.argv[2])
 import megatron.training.arguments as arguments
 from megatron_pp_ext.megatron.hook import add_args
-try:  # the plugin's own argument checks for pretrain_gpt.py, where present
-    from megatron_pp_ext.megatron.pretrain import check_args
-except ImportError:
-    check_args = None
+from megatron_pp_ext.megatron.pretrain import check_args  # the plugin's checks for pretrain_gpt.py
 
 results = []
 for case in cases:
@@ -95,8 +92,7 @@ for case in cases:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             args = arguments.parse_args(extra_args_provider=add_args, ignore_unknown_args=False)
             arguments.validate_args(args)
-            if check_args is not None and case.get("plugin_check", True):
-                check_args(args)
+            check_args(args)
         keys = ("data_parallel_size", "virtual_pipeline_model_parallel_size", "seq_length", "pp_schedule",
                 "pp_chunks", "pp_seq_slices", "pp_offload", "tensor_model_parallel_size",
                 "pipeline_model_parallel_size", "context_parallel_size", "global_batch_size",
@@ -143,8 +139,8 @@ def script_cases(tmp_path: Path) -> list[tuple[str, dict]]:
     for script in SCRIPTS:
         if script.name.startswith("llama3-8b"):
             runs += [(f"{script.name} x{n}", script, {"NNODES": str(n)}) for n in (2, 4, 8)]
-    for tag in ("256k", "512k"):  # the paper's TP4 x CP2: Megatron's parser only (the plugin refuses CP yet)
-        runs.append((f"{tag} TP4 CP2", SLURM / f"llama2-70b-slimpipe-{tag}.sbatch", {"TP": "4", "CP": "2"}))
+    for tag in ("256k", "512k"):  # the other 8-way cut of a sequence: TP8 with sequence parallelism
+        runs.append((f"{tag} TP8 CP1", SLURM / f"llama2-70b-slimpipe-{tag}.sbatch", {"TP": "8", "CP": "1"}))
     runs.append(("torchrun fallback", SLURM / "llama3-8b-zbh2-a100.sbatch", {"CONTAINER_IMAGE": "none"}))
     runs.append(("gpt3-175b", SLURM / "launch.sh", {"CONFIG": "gpt3-175b", "NNODES": "128"}))
     runs.append(("gpt3-1.3b", SLURM / "launch.sh", {"CONFIG": "gpt3-1.3b"}))
@@ -155,7 +151,7 @@ def script_cases(tmp_path: Path) -> list[tuple[str, dict]]:
     for name, script, env in runs:
         done = dry_run(script, tmp_path, **env)
         assert done.returncode == 0, f"{name}: {done.stderr}"
-        cases.append((name, {**parse_dry_run(done.stdout), "plugin_check": "CP2" not in name}))
+        cases.append((name, parse_dry_run(done.stdout)))
     return cases
 
 
@@ -178,8 +174,8 @@ def test_every_sbatch_dry_run_passes_megatrons_parser(tmp_path: Path) -> None:
     for tag, layout in {
         "64k": (8, 1, 4, 8, 4, 20),
         "128k": (8, 1, 8, 4, 8, 10),
-        "256k": (8, 1, 8, 4, 16, 10),  # the paper: t4 c2, once context parallelism runs (#11)
-        "512k": (8, 1, 16, 2, 32, 5),
+        "256k": (4, 2, 8, 4, 16, 10),
+        "512k": (4, 2, 16, 2, 32, 5),
     }.items():
         got = by_name[f"llama2-70b-slimpipe-{tag}.sbatch"]
         assert got["pp_schedule"] == "slimpipe-interleaved"
@@ -194,8 +190,8 @@ def test_every_sbatch_dry_run_passes_megatrons_parser(tmp_path: Path) -> None:
         ) == layout, tag
         assert got["pp_chunks"] == got["virtual_pipeline_model_parallel_size"]  # the two never disagree
         assert got["num_layers"] == 80 and got["mock_data"] and got["bf16"]
-    for tag, layout in {"256k": (4, 2, 8, 4), "512k": (4, 2, 16, 2)}.items():
-        got = by_name[f"{tag} TP4 CP2"]
+    for tag, layout in {"256k": (8, 1, 8, 4), "512k": (8, 1, 16, 2)}.items():
+        got = by_name[f"{tag} TP8 CP1"]
         assert (
             got["tensor_model_parallel_size"],
             got["context_parallel_size"],

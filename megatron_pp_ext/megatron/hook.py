@@ -221,11 +221,18 @@ class Installed:
 
     ``losses_on_last_rank``: return the loss dicts on the pipeline's last rank, where Megatron-LM's
     ``train_step`` and ``evaluate`` read them, even when the schedule computes the loss on another
-    rank (V-shape: rank 0); that rank then returns an empty list. Off, they stay where computed."""
+    rank (V-shape: rank 0); that rank then returns an empty list. Off, they stay where computed.
+    ``wrap_forward_step``: applied to Megatron's ``forward_step_func`` at each call."""
 
-    def __init__(self, options: PipelineOptions, losses_on_last_rank: bool = False) -> None:
+    def __init__(
+        self,
+        options: PipelineOptions,
+        losses_on_last_rank: bool = False,
+        wrap_forward_step: Callable[[Callable], Callable] | None = None,
+    ) -> None:
         self.options = options
         self.losses_on_last_rank = losses_on_last_rank
+        self.wrap_forward_step = wrap_forward_step
         self._runtimes: dict[tuple[int, ...], Any] = {}
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self._auto_offload: dict[tuple[int, int, int], Schedule] = {}
@@ -246,6 +253,8 @@ class Installed:
         schedule = self.schedule(runtime.comm.size, kwargs["num_microbatches"])
         if self.options.offload == "auto":
             schedule = self.auto_offload(schedule, runtime, kwargs["seq_length"])
+        if self.wrap_forward_step is not None:
+            kwargs = {**kwargs, "forward_step_func": self.wrap_forward_step(kwargs["forward_step_func"])}
         waited = runtime.comm.wait_seconds
         losses = forward_backward(runtime, schedule, **kwargs)
         self.last_result = runtime.last_result
@@ -348,6 +357,7 @@ def install(
     args: Any = None,
     options: PipelineOptions | None = None,
     losses_on_last_rank: bool = False,
+    wrap_forward_step: Callable[[Callable], Callable] | None = None,
     **overrides: Any,
 ) -> Installed:
     """Install the hook with options from Megatron's parsed ``args`` (see :func:`add_args`),
@@ -375,7 +385,7 @@ def install(
             _check_context_parallel(lengths, args)
     if _active is not None:
         _active.uninstall()
-    hook = Installed(options, losses_on_last_rank)
+    hook = Installed(options, losses_on_last_rank, wrap_forward_step)
     hook.patch()
     _active = hook
     return hook

@@ -9,7 +9,8 @@ The patch stays a few lines; the logic lives here:
   then it builds each chunk Megatron asks for (per ``vp_stage``) as the stage the schedule places
   there.
 * :func:`layer_spec_for` is applied by ``gpt_builders.py`` to the layer spec it chose: sliced
-  attention for ``--pp-seq-slices`` > 1, deferrable linears for the B/W split on the local spec.
+  attention for ``--pp-seq-slices`` > 1 and for context parallelism on the local spec, deferrable
+  linears for the B/W split on the local spec.
 * :func:`needs_data` and :func:`full_batch` answer ``get_batch``'s and the dataset builder's
   "is this chunk a first or last stage?" for the schedule's placement.
 
@@ -25,8 +26,10 @@ checkpoint keys and pre/post processing of that stage. Nothing else of the group
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..schedule.ir import Placement
@@ -109,10 +112,12 @@ def check_args(args: Any) -> None:
             "Transformer Engine's own deferred wgrad is not wired yet: add --transformer-impl local",
             "--transformer-impl",
         )
-    if (args.context_parallel_size or 1) > 1:
+    if sliced_attention(args) and getattr(args, "create_attention_mask_in_dataloader", False):
         raise OptionError(
-            "context parallelism does not run through pretrain_gpt.py with our schedules yet",
-            "--context-parallel-size",
+            "our sliced attention (sequence slices, context parallelism) is causal by construction: "
+            "the dataloader's [seq, seq] mask is unused memory, and its tensor-parallel broadcast "
+            "assumes whole sequences: add --no-create-attention-mask-in-dataloader",
+            "--no-create-attention-mask-in-dataloader",
         )
     if schedule.slices > 1:
         from ..schedule.models import megatron_shape
@@ -133,7 +138,12 @@ def setup(args: Any) -> Installed:
     if hook is None or _state.get("args") is not args:
         check_args(args)
         options = _with_megatron_chunks(PipelineOptions.from_args(args), args)
-        hook = install(args, options=options, losses_on_last_rank=True)
+        hook = install(
+            args,
+            options=options,
+            losses_on_last_rank=True,
+            wrap_forward_step=functools.partial(slice_sequence_length, args),
+        )
         _state.update(hook=hook, args=args)
     return hook
 
@@ -144,6 +154,37 @@ def placement(args: Any) -> Placement:
 
 def sliced(args: Any) -> bool:
     return (getattr(args, "pp_seq_slices", None) or 1) > 1
+
+
+def sliced_attention(args: Any) -> bool:
+    """Whether the chunks run our sliced core attention: for sequence slices, and under context
+    parallelism on the local spec (it runs CP, the whole sequence as one slice). Unsliced
+    schedules on the Transformer Engine spec keep TE's attention, which runs Megatron's own CP."""
+    context_parallel = (getattr(args, "context_parallel_size", None) or 1) > 1
+    return sliced(args) or (context_parallel and args.transformer_impl != "transformer_engine")
+
+
+def slice_sequence_length(args: Any, forward_step_func: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward_step_func`` with ``args.seq_length`` set to the running slice's length while it
+    runs. Megatron's ``get_batch_on_this_tp_rank`` receives the batch on tensor-parallel ranks > 0
+    into buffers of ``args.seq_length`` tokens; a sliced schedule hands over one slice at a time."""
+    from megatron.core.utils import unwrap_model
+
+    from .sliced import slice_context_of
+
+    @functools.wraps(forward_step_func)  # Megatron reads the signature (checkpointing argument)
+    def forward_step(data_iterator: Any, model: Any, *rest: Any, **kwargs: Any) -> Any:
+        context = slice_context_of(unwrap_model(model))
+        if context is None or context.current is None:
+            return forward_step_func(data_iterator, model, *rest, **kwargs)
+        start, end = context.slice_bounds()
+        whole, args.seq_length = args.seq_length, end - start
+        try:
+            return forward_step_func(data_iterator, model, *rest, **kwargs)
+        finally:
+            args.seq_length = whole
+
+    return forward_step
 
 
 # -- building the chunks ---------------------------------------------------------------------------
@@ -203,14 +244,15 @@ def placed_model_provider(provider: Callable[..., Any]) -> Callable[..., Any]:
         if megatron_rank != rank:
             pg_collection = copy.copy(pg_collection)
             pg_collection.pp = StageRankGroup(pg_collection.pp, megatron_rank)
-        model = provider(
-            pre_process=stage == 0,
-            post_process=stage == layout.num_stages - 1,
-            vp_stage=vp_stage,
-            config=config,
-            pg_collection=pg_collection,
-        )
-        if sliced(args):
+        with _final_norm_allowing_sequence_parallel():
+            model = provider(
+                pre_process=stage == 0,
+                post_process=stage == layout.num_stages - 1,
+                vp_stage=vp_stage,
+                config=config,
+                pg_collection=pg_collection,
+            )
+        if sliced_attention(args):
             from .sliced import enable_slicing
 
             enable_slicing(model)
@@ -219,10 +261,31 @@ def placed_model_provider(provider: Callable[..., Any]) -> Callable[..., Any]:
     return build
 
 
+@contextlib.contextmanager
+def _final_norm_allowing_sequence_parallel() -> Iterator[None]:
+    """Given a layer spec (gpt_builders' local and TE specs), megatron-core builds a block's final
+    norm from ``transformer_block.LayerNormImpl``; without Apex or TE that is WrappedTorchNorm,
+    which refuses sequence parallelism. While a chunk is built it is our TorchNorm instead
+    (:func:`adapt_layer_spec` swaps the layers' norms the same way)."""
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from .norm import TorchNorm
+
+    if transformer_block.LayerNormImpl is not WrappedTorchNorm:
+        yield
+        return
+    transformer_block.LayerNormImpl = TorchNorm
+    try:
+        yield
+    finally:
+        transformer_block.LayerNormImpl = WrappedTorchNorm
+
+
 def layer_spec_for(spec: Any) -> Any:
-    """The layer spec gpt_builders chose, made to run our schedules: sliced core attention for
-    ``--pp-seq-slices`` > 1; on the local spec, deferrable linears (the B/W split), SDPA core
-    attention without CUDA (Megatron's local attention needs it) and a norm that allows
+    """The layer spec gpt_builders chose, made to run our schedules: sliced core attention where
+    :func:`sliced_attention` says; on the local spec, deferrable linears (the B/W split), SDPA
+    core attention without CUDA (Megatron's local attention needs it) and a norm that allows
     sequence parallelism. A Transformer Engine spec keeps its TE modules. Unchanged when
     Megatron's arguments do not have our flags (another script sharing gpt_builders)."""
     from megatron.training import get_args
@@ -230,7 +293,7 @@ def layer_spec_for(spec: Any) -> Any:
     args = get_args()
     if not hasattr(args, "pp_schedule"):
         return spec
-    return adapt_layer_spec(spec, sliced=sliced(args))
+    return adapt_layer_spec(spec, sliced=sliced_attention(args))
 
 
 def adapt_layer_spec(spec: Any, sliced: bool) -> Any:
