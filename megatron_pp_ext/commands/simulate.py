@@ -2,9 +2,11 @@
 
 Pure Python (no torch): usable on a laptop to study a schedule before a GPU is booked. With
 ``--pp-offload`` the schedule gets activation copies to host memory (PipeOffload) and the table
-shows each peak with and without them. With ``--model`` and Megatron's parallel flags (TP, SP,
-CP, DP, distributed optimizer) each rank's memory is its activations plus weights, gradients and
-optimizer state (``schedule/memory_model.py``).
+shows each peak with and without them. With ``--pp-vocab-parallel`` the input embedding and the
+output layer are spread over all pipeline ranks (S and T passes, ``schedule/vocab.py``) and the
+table compares makespan, busy time and peak memory with and without. With ``--model`` and
+Megatron's parallel flags (TP, SP, CP, DP, distributed optimizer) each rank's memory is its
+activations plus weights, gradients and optimizer state (``schedule/memory_model.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..schedule.offload import (
 )
 from ..schedule.simulate import SimResult, simulate
 from ..schedule.validate import ScheduleError, validate
+from ..schedule.vocab import GEMMS, UNIFORM_GEMM, VARIANTS, VocabError, add_vocab_passes, unsplit_costs
 from .errors import UsageError
 
 
@@ -90,6 +93,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_parallel_args(parser)
     add_offload_args(parser, simulator=True)
+    group = parser.add_argument_group("vocabulary parallelism (Yeung et al., MLSys'25)")
+    group.add_argument(
+        "--pp-vocab-parallel",
+        choices=VARIANTS,
+        default="none",
+        help="spread the input embedding and the output layer over all pipeline ranks as S and T "
+        "passes: vocab-1 (two barriers, p+2 microbatches in flight) or vocab-2 (one, p+1)",
+    )
+    group.add_argument(
+        "--vocab-costs",
+        default=None,
+        metavar="S,T",
+        help="durations of one microbatch's S and T on a rank, for the uniform model; without the "
+        "flag's passes the last stage carries p times their sum (default: "
+        f"{UNIFORM_GEMM:g} per output-layer GEMM: vocab-1 "
+        + ",".join(f"{g * UNIFORM_GEMM:g}" for g in GEMMS["vocab-1"])
+        + ", vocab-2 "
+        + ",".join(f"{g * UNIFORM_GEMM:g}" for g in GEMMS["vocab-2"])
+        + ")",
+    )
     parser.add_argument("--plot", help="write a timeline picture (.png or .svg)")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace (.json)")
     parser.add_argument("--save", help="write the generated schedule (.json or text)")
@@ -218,8 +241,30 @@ def build_schedule(args: argparse.Namespace, name: str, costs: Costs) -> Schedul
     return schedule
 
 
-def cost_model(args: argparse.Namespace, schedule: Schedule, costs: Costs) -> CostModel:
+def vocab_costs(args: argparse.Namespace, variant: str) -> tuple[float, float]:
+    """S and T durations of the uniform model: ``--vocab-costs`` or the variant's GEMM counts."""
+    if variant == "none":
+        return 0.0, 0.0
+    if args.vocab_costs is None:
+        s_gemms, t_gemms = GEMMS[variant]
+        return s_gemms * UNIFORM_GEMM, t_gemms * UNIFORM_GEMM
+    try:
+        values = [float(part) for part in args.vocab_costs.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 2 or min(values) < 0:
+        raise UsageError("--vocab-costs", f"expected two numbers S,T >= 0, got {args.vocab_costs!r}")
+    return values[0], values[1]
+
+
+def cost_model(
+    args: argparse.Namespace, schedule: Schedule, costs: Costs, vocab: str | None = None
+) -> CostModel:
+    """The cost model of the flags; ``vocab`` (default: the schedule's own passes) prices the
+    vocabulary passes and takes the output layer off the last stage."""
+    vocab = schedule.vocab_parallel if vocab is None else vocab
     if args.model is None:
+        s_cost, t_cost = vocab_costs(args, vocab)
         return UniformCosts(
             num_stages=schedule.num_stages,
             num_slices=schedule.slices,
@@ -231,11 +276,13 @@ def cost_model(args: argparse.Namespace, schedule: Schedule, costs: Costs) -> Co
             weight_fraction=args.weight_fraction,
             host_bandwidth=args.pp_host_bandwidth or math.inf,
             ranks_per_host=args.pp_ranks_per_host,
+            vocab_forward=s_cost,
+            vocab_backward=t_cost,
         )
     from ..schedule.flops import flop_costs_for
     from ..schedule.partition import DEFAULT_UNIT
 
-    options: dict[str, float] = {"ranks_per_host": args.pp_ranks_per_host}
+    options: dict[str, float | str] = {"ranks_per_host": args.pp_ranks_per_host, "vocab_parallel": vocab}
     if args.pp_host_bandwidth:
         options["host_bandwidth"] = args.pp_host_bandwidth
     if args.pp_compute_throughput:
@@ -270,16 +317,31 @@ def layers_of(args: argparse.Namespace, schedule: Schedule) -> list[int]:
 
 def rank_memory(args: argparse.Namespace, result: SimResult) -> list[MemoryParts] | None:
     """Each rank's peak activations plus its weights, gradients and optimizer state (bytes);
-    None without --model. Static memory is held all step, so it adds to the activation peak."""
+    None without --model. Static memory is held all step, so it adds to the activation peak;
+    with vocabulary parallelism every rank holds 1/p of the embedding and the output layer."""
     if args.model is None:
         return None
     from ..schedule.memory_model import static_memory
+    from ..schedule.vocab import vocab_static_memory
 
     schedule = result.schedule
-    static = static_memory(
+    layout = vocab_static_memory if schedule.vocab_parallel != "none" else static_memory
+    static = layout(
         model_shape(args), schedule.placement, parallel_from_args(args), layers_of(args, schedule)
     )
     return [parts.with_activations(peak) for parts, peak in zip(static, result.peak_memory_per_rank)]
+
+
+def max_over_min(values: list[float]) -> float:
+    low = min(values, default=0.0)
+    return max(values) / low if low > 0 else math.inf
+
+
+def memory_balance(args: argparse.Namespace, result: SimResult) -> float:
+    """Highest over lowest peak memory across ranks: the whole rank's (activations + weights,
+    gradients, optimizer) with --model, else activations."""
+    memory = rank_memory(args, result)
+    return result.peak_max_over_min if memory is None else max_over_min([p.total for p in memory])
 
 
 def result_dict(args: argparse.Namespace, result: SimResult) -> dict[str, Any]:
@@ -289,6 +351,9 @@ def result_dict(args: argparse.Namespace, result: SimResult) -> dict[str, Any]:
     if parts is not None:
         data["parallel"] = asdict(parallel_from_args(args))
         data["memory_parts_bytes"] = [p.to_dict() for p in parts]
+    data["memory_max_over_min"] = memory_balance(args, result)
+    if result.without_vocab is not None:
+        data["without_vocab_parallel"] = result_dict(args, result.without_vocab)
     return data
 
 
@@ -323,7 +388,8 @@ def offloaded(args: argparse.Namespace, schedule: Schedule, model: CostModel) ->
 
 def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
     """The simulated schedule (with its copies when ``--pp-offload`` asks for them); the run
-    without copies goes into ``result.baseline``."""
+    without copies goes into ``result.baseline``, and with ``--pp-vocab-parallel`` the run without
+    the vocabulary passes into ``result.without_vocab``."""
     if args.slices > args.seq_length:
         raise UsageError(
             "--slices",
@@ -332,20 +398,51 @@ def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
         )
     costs = parse_costs(args.costs)
     schedule = build_schedule(args, name, costs)
+    flag = "--schedule-file" if args.schedule_file else "--schedule"
     try:
         validate(schedule)
     except ScheduleError as error:
-        raise UsageError("--schedule-file" if args.schedule_file else "--schedule", str(error)) from None
+        raise UsageError(flag, str(error)) from None
+    model = model_for(args, schedule, costs)
+    variant = args.pp_vocab_parallel
+    if variant == "none":
+        return finish(args, schedule, model)
+    if schedule.vocab_parallel != "none":
+        raise UsageError("--pp-vocab-parallel", "the schedule file already has vocabulary passes")
+    vocab_model = model_for(args, schedule, costs, variant)
+    try:
+        spread = add_vocab_passes(schedule, variant, vocab_model)
+        validate(spread)
+    except (VocabError, ScheduleError) as error:
+        raise UsageError("--pp-vocab-parallel", str(error)) from None
+    result = finish(args, spread, vocab_model, plan=schedule)
+    if isinstance(vocab_model, UniformCosts):
+        model = unsplit_costs(vocab_model, schedule)  # the last stage carries the output layer
+    result.without_vocab = finish(args, schedule, model)
+    return result
+
+
+def model_for(
+    args: argparse.Namespace, schedule: Schedule, costs: Costs, vocab: str | None = None
+) -> CostModel:
+    """:func:`cost_model` with its errors as one-line usage errors."""
     from ..schedule.partition import PartitionError
 
     try:
-        model = cost_model(args, schedule, costs)
+        return cost_model(args, schedule, costs, vocab)
     except PartitionError as error:
         raise UsageError(error.flag, str(error), flag_in_message=True) from None
     except KeyError as error:
         raise UsageError("--model", str(error.args[0]), flag_in_message=True) from None
+
+
+def finish(
+    args: argparse.Namespace, schedule: Schedule, model: CostModel, plan: Schedule | None = None
+) -> SimResult:
+    """Attention redistribution (paired on ``plan``'s slots) and offload as the flags ask, then
+    the replay."""
     if args.pp_attn_redistribution:
-        model = redistributed(args, schedule, model)
+        model = redistributed(args, schedule, model, plan)
     if args.pp_offload == "none":
         return simulate(schedule, model)
     check_offload_args(args)
@@ -354,9 +451,13 @@ def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
     return result
 
 
-def redistributed(args: argparse.Namespace, schedule: Schedule, model: CostModel) -> CostModel:
+def redistributed(
+    args: argparse.Namespace, schedule: Schedule, model: CostModel, plan: Schedule | None = None
+) -> CostModel:
     """``model`` with SlimPipe's attention redistribution; the bubble without it goes into
-    ``schedule.meta`` for the report."""
+    ``schedule.meta`` for the report. The heavy/light pairs come from ``plan``'s lock-step slots
+    (default: ``schedule``): with vocabulary parallelism the generator's own order, since S and T
+    run on every rank and carry no attention to pair."""
     from ..schedule.flops import FlopCosts
     from ..schedule.redistribute import planned_costs, redistribute
 
@@ -365,13 +466,16 @@ def redistributed(args: argparse.Namespace, schedule: Schedule, model: CostModel
         raise UsageError("--pp-attn-redistribution", "needs the FLOP cost model: add --model NAME")
     if not 0.0 <= cap <= 1.0:
         raise UsageError("--pp-attn-redistribution", f"CAP must be between 0 and 1, got {cap}")
+    plan = plan or schedule
     schedule.meta["attn_redistribution"] = cap
     schedule.meta["bubble_without_redistribution"] = simulate(schedule, model).bubble_rate
-    schedule.meta["bubble_whole_slices"] = simulate(schedule, planned_costs(schedule, model, cap)).bubble_rate
-    return redistribute(schedule, model, cap)
+    schedule.meta["bubble_whole_slices"] = simulate(schedule, planned_costs(plan, model, cap)).bubble_rate
+    return redistribute(plan, model, cap)
 
 
-def _row(result: SimResult, memory: list[MemoryParts] | None = None) -> dict[str, Any]:
+def _row(
+    result: SimResult, memory: list[MemoryParts] | None = None, args: argparse.Namespace | None = None
+) -> dict[str, Any]:
     data = result.to_dict()
     row = {
         "schedule": data["schedule"],
@@ -390,6 +494,14 @@ def _row(result: SimResult, memory: list[MemoryParts] | None = None) -> dict[str
         row["no offload: peak M (max)"] = f"{max(result.baseline.peak_memory_m):.3f}"
         row["no offload: bubble"] = f"{result.baseline.bubble_rate:.3f}"
         row["offloaded"] = result.schedule.meta.get("offloaded_units", 0)
+    if result.without_vocab is not None and args is not None:
+        plain = result.without_vocab
+        row["vocab"] = result.schedule.vocab_parallel
+        row["busy max/min"] = f"{result.busy_max_over_min:.3f}"
+        row["mem max/min"] = f"{memory_balance(args, result):.3f}"
+        row["no vocab: makespan"] = f"{plain.makespan:.4g}"
+        row["no vocab: busy max/min"] = f"{plain.busy_max_over_min:.3f}"
+        row["no vocab: mem max/min"] = f"{memory_balance(args, plain):.3f}"
     return row
 
 
@@ -414,7 +526,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result_dict(args, result)))
         return 0
     memory = rank_memory(args, result)
-    print(format_table([_row(result, memory)]))
+    print(format_table([_row(result, memory, args)]))
     per_rank = ", ".join(
         f"r{r}: bubble {b:.3f} peak {m:.3f}M"
         for r, (b, m) in enumerate(zip(result.bubble_rate_per_rank, result.peak_memory_m))
@@ -424,6 +536,8 @@ def run(args: argparse.Namespace) -> int:
         print(memory_summary(memory))
     if result.baseline is not None:
         print(offload_summary(result))
+    if result.without_vocab is not None:
+        print(vocab_summary(args, result))
     meta = result.schedule.meta
     if "bubble_without_redistribution" in meta:
         print(
@@ -446,6 +560,19 @@ def memory_summary(memory: list[MemoryParts]) -> str:
             f"{p.gradients / gib:.2f} + {p.optimizer / gib:.2f}"
         )
     return "\n".join(lines)
+
+
+def vocab_summary(args: argparse.Namespace, result: SimResult) -> str:
+    """Without -> with the vocabulary passes: makespan, busy time and peak memory balance."""
+    plain = result.without_vocab
+    assert plain is not None
+    what = "total memory" if args.model else "activation peak"
+    return (
+        f"vocabulary parallelism {result.schedule.vocab_parallel}: makespan {plain.makespan:.4g} -> "
+        f"{result.makespan:.4g}, busy max/min {plain.busy_max_over_min:.3f} -> "
+        f"{result.busy_max_over_min:.3f}, {what} max/min {memory_balance(args, plain):.3f} -> "
+        f"{memory_balance(args, result):.3f}"
+    )
 
 
 def offload_summary(result: SimResult) -> str:
@@ -472,7 +599,7 @@ def run_all(args: argparse.Namespace) -> int:
             rows.append({"schedule": name, "v": "-", "k": "-", "makespan": f"n/a: {error.flag}"})
             results.append({"schedule": name, "error": str(error)})
             continue
-        rows.append(_row(result, rank_memory(args, result)))
+        rows.append(_row(result, rank_memory(args, result), args))
         results.append(result_dict(args, result))
     if args.json:
         print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "schedules": results}))

@@ -11,6 +11,11 @@ For activation offload (PipeOffload) it also asks how many bytes an OFFLOAD of t
 the host link (``host_bandwidth``; ``ranks_per_host`` ranks share one link).
 :func:`offload_ratio` is PipeOffload's k, the copy time over the compute time of a layer.
 
+For vocabulary parallelism (``vocab.py``) a model may also say how much an S holds until its T
+(``vocab_activation``) and how long a collective takes once every rank issued it
+(``collective_time``); the simulator reads both with ``getattr`` and takes 0 when a model lacks
+them, so older cost models keep working. S and T durations come from ``duration`` like F's.
+
 Three models: :class:`UniformCosts` (the papers' unit analysis), :class:`TableCosts` (measured
 times per stage and kind) and the transformer FLOP model in ``flops.py``.
 """
@@ -40,6 +45,14 @@ class CostModel(Protocol):
     def offload_bytes(self, op: Op) -> float: ...
 
     def copy_time(self, op: Op) -> float: ...
+
+
+class VocabCostModel(CostModel, Protocol):
+    """A cost model that also prices the vocabulary passes' memory and collectives."""
+
+    def vocab_activation(self, op: Op) -> float: ...
+
+    def collective_time(self, op: Op) -> float: ...
 
 
 def offload_ratio(hidden: int, seq_length: int, compute_throughput: float, host_bandwidth: float) -> float:
@@ -72,6 +85,11 @@ class UniformCosts:
     spread evenly over stages and slices. ``weight_fraction`` of an F's activation stays after B
     until W (0 would free everything at B). ``host_bandwidth`` is in M per time unit (infinite:
     copies take no time); ``offload_fraction`` of an activation is copied by an OFFLOAD.
+
+    Vocabulary parallelism: an S of a whole microbatch costs ``vocab_forward``, a T
+    ``vocab_backward`` (1/k per slice; they run per rank, not per stage), an S holds
+    ``vocab_memory`` (in M) until its T, and every collective takes ``collective`` once all ranks
+    issued it. All 0 by default.
     """
 
     num_stages: int
@@ -86,11 +104,17 @@ class UniformCosts:
     host_bandwidth: float = math.inf
     ranks_per_host: int = 1
     offload_fraction: float = 1.0
+    vocab_forward: float = 0.0
+    vocab_backward: float = 0.0
+    vocab_memory: float = 0.0
+    collective: float = 0.0
 
     def _slice_share(self) -> float:
         return 1.0 / (self.num_slices * self.chunks_per_rank)
 
     def duration(self, op: Op) -> float:
+        if op.kind in (OpKind.S, OpKind.T):
+            return (self.vocab_forward if op.kind == OpKind.S else self.vocab_backward) / self.num_slices
         base = {
             OpKind.F: self.forward,
             OpKind.B: self.backward,
@@ -98,6 +122,12 @@ class UniformCosts:
             OpKind.BW: self.backward + self.weight,
         }.get(op.kind, 0.0)
         return base * self._slice_share()
+
+    def vocab_activation(self, op: Op) -> float:
+        return self.vocab_memory * self.microbatch_activation / self.num_slices
+
+    def collective_time(self, op: Op) -> float:
+        return self.collective
 
     def activation(self, op: Op) -> float:
         return self.microbatch_activation / (self.num_stages * self.num_slices)
@@ -167,3 +197,9 @@ class TableCosts:
 
     def copy_time(self, op: Op) -> float:
         return _copy_seconds(self.offload_bytes(op), self.default.host_bandwidth)
+
+    def vocab_activation(self, op: Op) -> float:
+        return self.default.vocab_activation(op)
+
+    def collective_time(self, op: Op) -> float:
+        return self.default.collective_time(op)

@@ -13,6 +13,13 @@ Stage 0 also holds the embedding (a lookup: no FLOPs, no saved activation beyond
 last stage also holds the final norm, the output layer (2*s*h*V FLOPs each for F, B and W) and the
 cross-entropy. Norms, residual adds, RoPE and SiLU are left out of the FLOPs (well under 1%).
 
+With vocabulary parallelism (``vocab_parallel`` ``vocab-1`` or ``vocab-2``, ``vocab.py``) the output
+layer leaves the last stage: every rank's S and T run GEMMs of 2*s*h*V/p FLOPs on its shard, one
+in S and two in T (vocab-1: logits; input and weight gradient) or two in S and one in T (vocab-2:
+logits and the input-gradient partial; weight gradient). The last stage keeps its final-norm
+input; an S holds its softmax shard (V/p fp32 per token) and a copy of X until its T. The
+collectives move one hidden state (or its gradient, fp32) per unit over the p2p links.
+
 Durations are seconds at ``peak_flops * utilisation``: by default 400 TFLOP/s (a bf16 dense
 Hopper-class figure) at 50% utilisation, i.e. 200 TFLOP/s delivered. Pass your own.
 
@@ -30,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .costs import offload_ratio
-from .ir import Op, OpKind, Schedule
+from .ir import COLLECTIVE_KINDS, Op, OpKind, Schedule
 from .memory_model import FP32, Parallelism, TokenBytes
 from .models import ModelShape, get_model
 from .partition import DEFAULT_UNIT, causal_pairs, slice_lengths
@@ -130,6 +137,8 @@ class FlopCosts:
     host_bandwidth: float = 50e9  # bytes/s of one device's host link, each direction
     ranks_per_host: int = 1  # ranks that share one host link
     parallel: Parallelism = field(default_factory=Parallelism)
+    vocab_parallel: str = "none"  # "vocab-1" / "vocab-2": the output layer runs as S and T on every rank
+    pipeline_ranks: int | None = None  # p, the ranks the vocabulary is split over (default: num_stages)
     microbatch_activation: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -151,6 +160,10 @@ class FlopCosts:
             raise ValueError("peak_flops, utilisation, p2p_bandwidth and host_bandwidth must be positive")
         if self.ranks_per_host < 1:
             raise ValueError(f"ranks_per_host must be at least 1, got {self.ranks_per_host}")
+        if self.vocab_parallel not in ("none", "vocab-1", "vocab-2"):
+            raise ValueError(f"vocab_parallel must be none, vocab-1 or vocab-2, got {self.vocab_parallel!r}")
+        if self.pipeline_ranks is None:
+            self.pipeline_ranks = self.num_stages
         self._ends = [sum(self.slice_lengths[: j + 1]) for j in range(len(self.slice_lengths))]
         self.microbatch_activation = float(
             sum(self.layers_per_stage)
@@ -171,13 +184,26 @@ class FlopCosts:
         pairs = causal_pairs(self.slice_lengths[op.slice], self._ends[op.slice])
         return float(self.shape.attention_flops_per_pair() * pairs * self.micro_batch_size)
 
+    @property
+    def splits_vocab(self) -> bool:
+        return self.vocab_parallel != "none"
+
     def _head_gemm_flops(self, op: Op) -> float:
-        if op.stage != self.num_stages - 1:
+        if op.stage != self.num_stages - 1 or self.splits_vocab:
             return 0.0
         return float(2 * self._tokens(op) * self.shape.hidden * self.shape.vocab)
 
+    def vocab_gemm_flops(self, op: Op) -> float:
+        """One output-layer GEMM of a rank's vocabulary shard for ``op``'s unit: 2*s*h*V/p."""
+        return 2.0 * self._tokens(op) * self.shape.hidden * self.shape.vocab / (self.pipeline_ranks or 1)
+
     def flops(self, op: Op) -> float:
         """FLOPs of a compute op (0 for communication ops)."""
+        if op.kind in (OpKind.S, OpKind.T):
+            s_gemms, t_gemms = (2, 1) if self.vocab_parallel == "vocab-2" else (1, 2)
+            return (s_gemms if op.kind == OpKind.S else t_gemms) * self.vocab_gemm_flops(op)
+        if op.kind not in (OpKind.F, OpKind.B, OpKind.W, OpKind.BW):
+            return 0.0
         layers = self.layers_per_stage[op.stage]
         gemm = layers * self._layer_gemm_flops(op) + self._head_gemm_flops(op)
         attention = layers * self._layer_attention_flops(op)
@@ -203,10 +229,48 @@ class FlopCosts:
         return per_token * self._tokens(op)
 
     def activation(self, op: Op) -> float:
-        return self._bytes(op, layer_activation_parts(self.shape), head_activation_parts(self.shape))
+        # With the vocabulary split, the last stage keeps only its final-norm input.
+        head = TokenBytes(0, self.shape.hidden * self.shape.bytes_per_element)
+        return self._bytes(
+            op,
+            layer_activation_parts(self.shape),
+            head if self.splits_vocab else head_activation_parts(self.shape),
+        )
 
     def weight_share(self, op: Op) -> float:
-        return self._bytes(op, layer_weight_share_parts(self.shape), head_weight_share_parts(self.shape))
+        head = TokenBytes(0, 0) if self.splits_vocab else head_weight_share_parts(self.shape)
+        return self._bytes(op, layer_weight_share_parts(self.shape), head)
+
+    def vocab_activation(self, op: Op) -> float:
+        """What an S keeps until its T: the softmax shard (V/p fp32 per token, inside the TP
+        region) and the copy of X (h per token); vocab-2 adds its two input-gradient partials
+        (h fp32 each), which the collective after S consumes."""
+        shard = -(-self.shape.vocab // (self.pipeline_ranks or 1))
+        outside = self.shape.hidden * self.shape.bytes_per_element
+        if self.vocab_parallel == "vocab-2":
+            outside += 2 * self.shape.hidden * FP32
+        return self.parallel.activation(TokenBytes(inside=shard * FP32, outside=outside)) * self._tokens(op)
+
+    def collective_time(self, op: Op) -> float:
+        """One collective over the pipeline ranks once all issued it: its bytes over the p2p
+        bandwidth plus one latency. X goes with its labels and loss gradient (12 bytes a token);
+        the statistics are 3 fp32 per token from each of the p ranks; input-gradient partials are
+        fp32; embeddings and their gradients in the activation type; token ids int64."""
+        if op.kind not in COLLECTIVE_KINDS:
+            return 0.0
+        tokens = self._tokens(op)
+        hidden = tokens * self.shape.hidden / self.parallel.sequence_split
+        element = self.shape.bytes_per_element
+        stats = 3 * FP32 * tokens * (self.pipeline_ranks or 1) / self.parallel.cp
+        size = {
+            OpKind.BCAST_X: hidden * element + 12 * tokens / self.parallel.cp,
+            OpKind.REDUCE_S: stats + (hidden * FP32 if self.vocab_parallel == "vocab-2" else 0.0),
+            OpKind.REDUCE_T: hidden * FP32,
+            OpKind.BCAST_IDS: 8.0 * tokens,
+            OpKind.REDUCE_EMB: hidden * element,
+            OpKind.BCAST_DEMB: hidden * element,
+        }[op.kind]
+        return size / self.p2p_bandwidth + self.p2p_latency
 
     def comm_latency(self, op: Op) -> float:
         """One hidden-state tensor (or its gradient) of the op's slice: (s / (t if SP) / c) x b x h
@@ -243,12 +307,14 @@ def flop_costs_for(
     unit: int = DEFAULT_UNIT,
     parallel: Parallelism | None = None,
     layers_per_stage: list[int] | None = None,
-    **options: float,
+    **options: float | str,
 ) -> FlopCosts:
-    """FlopCosts sized for ``schedule`` (its stages and slices), cutting the sequence the way
-    ``partition`` says. Unknown model names raise KeyError; bad cuts raise PartitionError."""
+    """FlopCosts sized for ``schedule`` (its stages, ranks and slices), cutting the sequence the
+    way ``partition`` says; ``vocab_parallel`` defaults to the schedule's own vocabulary passes.
+    Unknown model names raise KeyError; bad cuts raise PartitionError."""
     shape = get_model(model) if isinstance(model, str) else model
     lengths = slice_lengths(partition, shape, seq_length, schedule.slices, unit)
+    options.setdefault("vocab_parallel", schedule.vocab_parallel)  # type: ignore[arg-type]
     return FlopCosts(
         shape=shape,
         seq_length=seq_length,
@@ -257,5 +323,6 @@ def flop_costs_for(
         slice_lengths=lengths,
         layers_per_stage=layers_per_stage,
         parallel=parallel or Parallelism(),
+        pipeline_ranks=schedule.pp,
         **options,  # type: ignore[arg-type]
     )

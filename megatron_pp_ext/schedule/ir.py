@@ -3,8 +3,10 @@
 A compute op names what it computes: its kind (F, B, W or BW), the virtual stage (model chunk)
 it runs, the microbatch and the sequence slice. Lowering passes (see ``lowering.py``) add
 communication ops (SEND/RECV) and activation copies (OFFLOAD/RELOAD) through the same type, so
-the simulator and the runtime read one format. A schedule round-trips through a small text form
-and JSON, so a user can write one by hand and load it.
+the simulator and the runtime read one format. Vocabulary parallelism (``vocab.py``) adds the
+output-layer passes S and T, which run on every rank, and the collectives over the pipeline
+group that feed them (``docs/vocab_parallel.md`` says what each computes). A schedule
+round-trips through a small text form and JSON, so a user can write one by hand and load it.
 
 This module is pure Python on purpose: the whole schedule core runs without torch.
 """
@@ -32,12 +34,34 @@ class OpKind(str, enum.Enum):
     RECV_B = "RECV_B"  # receive the gradient of this stage's output from the next stage's rank
     OFFLOAD = "OFFLOAD"  # copy what the unit's F saved for its backward to host memory
     RELOAD = "RELOAD"  # copy it back to the device ahead of the unit's B (or BW)
+    # Vocabulary parallelism: every rank runs these for every unit (stage = the last stage for
+    # the output layer, 0 for the input embedding); see docs/vocab_parallel.md.
+    S = "S"  # output layer, first pass: this rank's logits shard and its softmax statistics
+    T = "T"  # output layer, second pass: softmax gradient, weight gradient (vocab-1: input grad)
+    BCAST_X = "BCAST_X"  # the last stage's output (and labels) from the loss rank to every rank
+    REDUCE_S = "REDUCE_S"  # the barrier after S: global max/sum (vocab-2: and the input gradient)
+    REDUCE_T = "REDUCE_T"  # vocab-1, the barrier after T: input-gradient partials to the loss rank
+    BCAST_IDS = "BCAST_IDS"  # the unit's token ids from the first stage's rank to every rank
+    REDUCE_EMB = "REDUCE_EMB"  # embedding lookups of every rank summed to the first stage's rank
+    BCAST_DEMB = "BCAST_DEMB"  # the embedding output's gradient from the first stage's rank to all
 
 
 COMPUTE_KINDS = frozenset({OpKind.F, OpKind.B, OpKind.W, OpKind.BW})
 COMM_KINDS = frozenset({OpKind.SEND_F, OpKind.RECV_F, OpKind.SEND_B, OpKind.RECV_B})
 BACKWARD_KINDS = frozenset({OpKind.B, OpKind.BW})
 COPY_KINDS = frozenset({OpKind.OFFLOAD, OpKind.RELOAD})
+VOCAB_COMPUTE_KINDS = frozenset({OpKind.S, OpKind.T})
+COLLECTIVE_KINDS = frozenset(
+    {
+        OpKind.BCAST_X,
+        OpKind.REDUCE_S,
+        OpKind.REDUCE_T,
+        OpKind.BCAST_IDS,
+        OpKind.REDUCE_EMB,
+        OpKind.BCAST_DEMB,
+    }
+)
+VOCAB_KINDS = VOCAB_COMPUTE_KINDS | COLLECTIVE_KINDS
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,16 @@ class Op:
         return self.kind in COPY_KINDS
 
     @property
+    def is_vocab(self) -> bool:
+        """An op of vocabulary parallelism (S, T or one of its collectives): on every rank."""
+        return self.kind in VOCAB_KINDS
+
+    @property
+    def is_collective(self) -> bool:
+        """A collective over all pipeline ranks (issued asynchronously, in the same order)."""
+        return self.kind in COLLECTIVE_KINDS
+
+    @property
     def unit(self) -> tuple[int, int, int]:
         """(stage, microbatch, slice): what the op works on, whatever its kind."""
         return (self.stage, self.microbatch, self.slice)
@@ -72,8 +106,10 @@ class Op:
         return format_op(self)
 
 
+# Longest names first, so that B does not swallow the start of BW or BCAST_X.
+_KIND_NAMES = "|".join(sorted((kind.value for kind in OpKind), key=len, reverse=True))
 _OP_PATTERN = re.compile(
-    r"^(?P<kind>OFFLOAD|RELOAD|SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W)(?P<stage>\d+):(?P<mb>\d+)"
+    rf"^(?P<kind>{_KIND_NAMES})(?P<stage>\d+):(?P<mb>\d+)"
     r"(?:\.(?P<slice>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$"
 )
 
@@ -182,6 +218,15 @@ class Schedule:
     def offloads(self) -> bool:
         """True when the schedule copies activations to host memory (has OFFLOAD ops)."""
         return any(op.kind == OpKind.OFFLOAD for ops in self.ranks for op in ops)
+
+    @property
+    def vocab_parallel(self) -> str:
+        """``none``, or the variant of the vocabulary passes: ``vocab-1`` has a REDUCE_T (a second
+        barrier, after T), ``vocab-2`` does not."""
+        kinds = {op.kind for ops in self.ranks for op in ops if op.is_vocab}
+        if not kinds:
+            return "none"
+        return "vocab-1" if OpKind.REDUCE_T in kinds else "vocab-2"
 
     @property
     def loss_rank(self) -> int:

@@ -2,7 +2,9 @@
 
 The image has one row per rank (F/B/W/BW boxes coloured by kind, lighter for later model chunks,
 labelled ``microbatch.slice``; activation copies to and from host memory as a thin strip under
-them) with that rank's activation-memory curve, in units of M, right under it. The trace
+them; with vocabulary parallelism the S and T passes in their own colours and each collective as a
+thin line at the top of the row, from the rank's issue to the completion) with that rank's
+activation-memory curve, in units of M, right under it. The trace
 (``traceEvents`` with complete "X" events, one process per rank with a compute lane and a lane
 per copy direction, plus a memory counter track) opens in ui.perfetto.dev or chrome://tracing for
 zooming into long schedules.
@@ -25,8 +27,23 @@ KIND_COLOURS = {
     OpKind.BW: "#d9534f",
     OpKind.OFFLOAD: "#e08a2c",
     OpKind.RELOAD: "#2aa3a3",
+    OpKind.S: "#f2c12e",
+    OpKind.T: "#8a6a12",
+}
+COLLECTIVE_COLOURS = {
+    OpKind.BCAST_X: "#f2c12e",
+    OpKind.REDUCE_S: "#c9302c",
+    OpKind.REDUCE_T: "#6f42c1",
+    OpKind.BCAST_IDS: "#bbbbbb",
+    OpKind.REDUCE_EMB: "#c77fa8",
+    OpKind.BCAST_DEMB: "#7a3d62",
+}
+LEGEND_NAMES = {
+    OpKind.S: "S (vocab: logits, max, sum)",
+    OpKind.T: "T (vocab: softmax grad, dW)",
 }
 COPY_STRIP = 0.25  # share of a rank's row that its copies take, at the bottom
+COLLECTIVE_STRIP = 0.12  # share of a rank's row that its collectives take, at the top
 LABEL_FONT_PT = 6.5
 LEFT, RIGHT = 0.065, 0.985  # figure fractions around the axes
 MAX_LABELS = 5000  # beyond this many readable boxes, text costs more time than it helps
@@ -66,8 +83,9 @@ def _title(result: SimResult) -> str:
     worst = max(range(len(peaks)), key=peaks.__getitem__) if peaks else 0
     partition = s.meta.get("partition")
     cut = f" ({partition})" if s.slices > 1 and partition else ""
+    vocab = f" + {s.vocab_parallel}" if s.vocab_parallel != "none" else ""
     return (
-        f"{s.name}: p={s.pp} m={s.microbatches} v={s.vpp} k={s.slices}{cut}   "
+        f"{s.name}{vocab}: p={s.pp} m={s.microbatches} v={s.vpp} k={s.slices}{cut}   "
         f"bubble {result.bubble_rate:.1%}   peak {max(peaks, default=0.0):.3f} M (rank {worst}), "
         f"rank 0 {peaks[0] if peaks else 0.0:.3f} M"
     )
@@ -131,6 +149,11 @@ def plot_timeline(
     for event in result.events:
         by_rank[event.rank].append(event)
     bottom = COPY_STRIP + 0.05 if result.copies else 0.0
+    top = 1.0 - COLLECTIVE_STRIP - 0.03 if result.collectives else 1.0
+    transfer_start: dict[tuple, float] = {}
+    for event in result.collectives:
+        key = (event.op.kind, event.op.unit)
+        transfer_start[key] = max(transfer_start.get(key, 0.0), event.start)
 
     for rank, axis in enumerate(op_axes):
         polygons: list[list[tuple[float, float]]] = []
@@ -140,10 +163,17 @@ def plot_timeline(
             start, end = event.start * scale, event.end * scale
             polygons.append([(start, 0.0), (end, 0.0), (end, COPY_STRIP), (start, COPY_STRIP)])
             colours.append(_shade(KIND_COLOURS[event.op.kind], 0, 1))
+        for event in [e for e in result.collectives if e.rank == rank]:
+            # from the last rank's issue (the transfer) to the completion
+            start, end = transfer_start[(event.op.kind, event.op.unit)] * scale, event.end * scale
+            polygons.append(
+                [(start, 1.0 - COLLECTIVE_STRIP), (end, 1.0 - COLLECTIVE_STRIP), (end, 1.0), (start, 1.0)]
+            )
+            colours.append(_shade(COLLECTIVE_COLOURS.get(event.op.kind, "#999999"), 0, 1))
         for event in by_rank[rank]:
             start, end = event.start * scale, event.end * scale
-            polygons.append([(start, bottom), (end, bottom), (end, 1.0), (start, 1.0)])
-            chunk = schedule.placement.chunk_index(event.op.stage)
+            polygons.append([(start, bottom), (end, bottom), (end, top), (start, top)])
+            chunk = 0 if event.op.is_vocab else schedule.placement.chunk_index(event.op.stage)
             colours.append(_shade(KIND_COLOURS[event.op.kind], chunk, chunks))
             label = op_label(event, num_slices)
             box_pt = (end - start) / makespan * axis_width_pt
@@ -153,7 +183,7 @@ def plot_timeline(
         axis.add_collection(PolyCollection(polygons, facecolors=colours, edgecolors="white", linewidths=0.4))
         for x, label, colour in texts:
             axis.text(
-                x, (1 + bottom) / 2, label, ha="center", va="center", fontsize=LABEL_FONT_PT, color=colour
+                x, (top + bottom) / 2, label, ha="center", va="center", fontsize=LABEL_FONT_PT, color=colour
             )
         axis.set_ylim(0, 1)
         axis.set_yticks([])
@@ -191,7 +221,9 @@ def plot_timeline(
     first_axis.set_xlim(0, makespan)
 
     kinds = [kind for kind in KIND_COLOURS if any(e.op.kind == kind for e in result.events + result.copies)]
-    handles = [Patch(color=KIND_COLOURS[kind], label=kind.value) for kind in kinds]
+    handles = [Patch(color=KIND_COLOURS[kind], label=LEGEND_NAMES.get(kind, kind.value)) for kind in kinds]
+    if result.collectives:
+        handles.append(Patch(color=COLLECTIVE_COLOURS[OpKind.REDUCE_S], label="collectives (top strip)"))
     if chunks > 1:
         shades = [_shade(KIND_COLOURS[OpKind.F], c, chunks) for c in (0, chunks - 1)]
         handles.append(
@@ -229,13 +261,18 @@ def trace_events(result: SimResult, microseconds_per_unit: float = 1e6) -> dict[
         )
         events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}})
     copy_lanes = {OpKind.OFFLOAD: 1, OpKind.RELOAD: 2}
-    if result.copies:
+    copy_lanes.update({kind: 3 for kind in COLLECTIVE_COLOURS})
+    lanes = [(result.copies, (("device to host", 1), ("host to device", 2)))]
+    lanes.append((result.collectives, (("vocabulary collectives", 3),)))
+    for present, names in lanes:
+        if not present:
+            continue
         for rank in range(schedule.pp):
-            for name, tid in (("device to host", 1), ("host to device", 2)):
+            for name, tid in names:
                 events.append(
                     {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}
                 )
-    for event in result.events + result.copies:
+    for event in result.events + result.copies + result.collectives:
         op = event.op
         events.append(
             {

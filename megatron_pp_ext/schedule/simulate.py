@@ -14,6 +14,15 @@ for it to end. The ``ranks_per_host`` ranks of one host share its link: each dir
 one copy at a time, so the copies of those ranks queue behind each other. Waiting for a reload is
 idle time, so a link that is too slow shows up as bubble.
 
+Vocabulary parallelism (``vocab.py``): S and T are compute ops of every rank (busy time); an S
+allocates the cost model's ``vocab_activation`` when it starts and its T frees it when it ends. A
+collective is issued when its rank reaches it (issuing never waits) and completes once every rank
+has issued it and the previous collective of its channel has completed, plus the model's
+``collective_time``: one stream per channel, the same order on every rank. The op that needs it
+(S after BCAST_X, T after REDUCE_S, the last stage's B after the input-gradient reduce, the first
+stage's F after REDUCE_EMB, a lookup after its token ids) starts no earlier. The makespan then
+also covers the last collective.
+
 Bubble rate of a rank = idle time / makespan; the overall rate is the mean over ranks. The
 "in span" rate counts each rank only between its own first and last op, as the zero-bubble
 papers do.
@@ -32,6 +41,7 @@ from .costs import CostModel, UniformCosts
 from .ir import BACKWARD_KINDS, Op, OpKind, Schedule, format_op
 from .lowering import lower
 from .validate import ScheduleError
+from .vocab import CHANNELS, Layout
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,8 @@ class SimResult:
     copies: list[Event] = field(default_factory=list)  # OFFLOAD/RELOAD on the copy streams
     offloaded_bytes_per_rank: list[float] = field(default_factory=list)
     baseline: SimResult | None = None  # the same schedule without its copies, when compared
+    collectives: list[Event] = field(default_factory=list)  # per rank: issue to completion
+    without_vocab: SimResult | None = None  # the schedule without vocabulary parallelism, when compared
 
     @property
     def bubble_rate_per_rank(self) -> list[float]:
@@ -86,6 +98,18 @@ class SimResult:
         return sum(rates) / len(rates)
 
     @property
+    def busy_max_over_min(self) -> float:
+        """Most over least busy rank: 1.0 is perfectly balanced compute."""
+        low = min(self.busy_per_rank, default=0.0)
+        return max(self.busy_per_rank) / low if low > 0 else math.inf
+
+    @property
+    def peak_max_over_min(self) -> float:
+        """Highest over lowest activation peak across ranks."""
+        low = min(self.peak_memory_per_rank, default=0.0)
+        return max(self.peak_memory_per_rank) / low if low > 0 else math.inf
+
+    @property
     def peak_memory_m(self) -> list[float]:
         """Peak activation per rank in units of M (one whole microbatch over all layers)."""
         return [peak / self.microbatch_activation for peak in self.peak_memory_per_rank]
@@ -105,7 +129,12 @@ class SimResult:
             "peak_memory_m": self.peak_memory_m,
             "peak_memory_bytes": self.peak_memory_per_rank,
             "offloaded_bytes": self.offloaded_bytes_per_rank,
+            "busy_per_rank": self.busy_per_rank,
+            "busy_max_over_min": self.busy_max_over_min,
+            "peak_max_over_min": self.peak_max_over_min,
+            "vocab_parallel": s.vocab_parallel,
             **({"without_offload": self.baseline.to_dict()} if self.baseline is not None else {}),
+            **({"without_vocab_parallel": self.without_vocab.to_dict()} if self.without_vocab else {}),
         }
 
 
@@ -157,6 +186,47 @@ class _Copies:
         return start, start + duration
 
 
+class _Collectives:
+    """The channels of the vocabulary collectives in one replay: each rank's k-th collective of a
+    channel is the channel's k-th; it completes once all ranks issued it, after the one before."""
+
+    def __init__(self, pp: int, costs: CostModel) -> None:
+        self.pp = pp
+        self.duration = getattr(costs, "collective_time", None) or (lambda op: 0.0)
+        self.seq: dict[str, list[Op]] = defaultdict(list)
+        self.issues: dict[str, list[dict[int, float]]] = defaultdict(list)
+        self.count: dict[tuple[str, int], int] = defaultdict(int)  # (channel, rank) -> issued
+        self.completed: dict[str, list[float]] = defaultdict(list)
+        self.done: dict[tuple[OpKind, int, int, int], float] = {}  # op (kind, unit) -> completion
+        self.events: list[Event] = []
+
+    def issue(self, rank: int, op: Op, time: float) -> list[Op]:
+        """Record ``rank`` issuing ``op``; return the collectives that completed."""
+        channel = CHANNELS[op.kind]
+        index = self.count[(channel, rank)]
+        self.count[(channel, rank)] += 1
+        seq, issues = self.seq[channel], self.issues[channel]
+        if index == len(seq):
+            seq.append(op)
+            issues.append({})
+        elif (seq[index].kind, seq[index].unit) != (op.kind, op.unit):
+            raise ScheduleError(
+                f"collective {index} of channel {channel!r} is {seq[index]} on one rank but {op} on "
+                f"rank {rank}: every rank must issue a channel's collectives in the same order"
+            )
+        issues[index][rank] = time
+        finished: list[Op] = []
+        completed = self.completed[channel]
+        while len(completed) < len(seq) and len(issues[len(completed)]) == self.pp:
+            k = len(completed)
+            start = max([*issues[k].values(), completed[-1] if completed else 0.0])
+            completed.append(start + self.duration(seq[k]))
+            self.done[(seq[k].kind, *seq[k].unit)] = completed[k]
+            self.events.extend(Event(r, seq[k], t, completed[k]) for r, t in sorted(issues[k].items()))
+            finished.append(seq[k])
+        return finished
+
+
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     """Replay ``schedule`` (lowered first if needed) under ``costs`` (unit costs by default)."""
     if costs is None:
@@ -164,19 +234,30 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
             num_stages=schedule.num_stages, num_slices=schedule.slices, chunks_per_rank=schedule.vpp
         )
     lowered = lower(schedule)
+    layout = Layout.of(lowered)
+    vocab_memory = getattr(costs, "vocab_activation", None) or (lambda op: 0.0)
     arrival: dict[tuple[str, int, int, int], float] = {}  # message_key -> arrival time
     clock = [0.0] * lowered.pp
     busy = [0.0] * lowered.pp
     changes: list[list[tuple[float, int, float]]] = [[] for _ in range(lowered.pp)]
     order = itertools.count()  # replay order breaks ties between changes at the same time
     copies = _Copies(lowered.pp, costs.ranks_per_host)
+    collectives = _Collectives(lowered.pp, costs)
     copied_out: dict[tuple[int, int, int], float] = {}  # unit -> end of its OFFLOAD copy
     reloaded: dict[tuple[int, int, int], float] = {}  # unit -> end of its RELOAD copy
     offloaded_bytes = [0.0] * lowered.pp
     held_for_w: dict[tuple[int, tuple[int, int, int]], float] = {}
+    held_for_t: dict[tuple[int, tuple[int, int, int]], float] = {}
     events: list[Event] = []
     pointers = [0] * lowered.pp
     last_compute_end = [0.0] * lowered.pp
+
+    def collective_ready(rank: int, op: Op) -> float | None:
+        """When the collective ``op`` waits for has completed (0.0: it waits for none; None: not yet)."""
+        needed = layout.waits_for(op, rank)
+        if needed is None:
+            return 0.0
+        return collectives.done.get((needed.kind, *needed.unit))
 
     def step(rank: int, op: Op) -> bool:
         """Run ``op`` on ``rank`` if it can run now; return whether it ran."""
@@ -202,8 +283,18 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
             )
             _change(rank, start, costs.offload_bytes(op))
             return True
+        ready = collective_ready(rank, op)
+        if ready is None:
+            return False
+        if op.is_collective:
+            clock[rank] = max(now, ready)  # a lookup waits for its token ids
+            for done in collectives.issue(rank, op, clock[rank]):
+                wake(("COLLECTIVE", done.kind, *done.unit))
+            return True
         duration = costs.duration(op)
-        start = max(now, reloaded.pop(op.unit, 0.0)) if op.kind in BACKWARD_KINDS else now
+        start = max(now, ready)
+        if op.kind in BACKWARD_KINDS:
+            start = max(start, reloaded.pop(op.unit, 0.0))
         end = start + duration
         events.append(Event(rank, op, start, end))
         busy[rank] += duration
@@ -219,30 +310,47 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
             _change(rank, end, -held_for_w.pop((rank, op.unit)))
         elif op.kind == OpKind.BW:
             _change(rank, end, -costs.activation(op))
+        elif op.kind == OpKind.S:
+            held_for_t[(rank, op.unit)] = vocab_memory(op)
+            _change(rank, start, held_for_t[(rank, op.unit)])
+        elif op.kind == OpKind.T:
+            _change(rank, end, -held_for_t.pop((rank, op.unit), 0.0))
         return True
 
     def _change(rank: int, time: float, delta: float) -> None:
         changes[rank].append((time, next(order), delta))
 
-    # A rank runs until a RECV waits for a message not yet sent; the SEND wakes it.
-    waiting: dict[tuple[str, int, int, int], list[int]] = defaultdict(list)
+    def wait_key(rank: int, op: Op) -> tuple:
+        if op.kind in (OpKind.RECV_F, OpKind.RECV_B):
+            return message_key(op)
+        needed = layout.waits_for(op, rank)
+        assert needed is not None
+        return ("COLLECTIVE", needed.kind, *needed.unit)
+
+    # A rank runs until it waits for a message or a collective; the SEND (or the last rank to
+    # issue the collective) wakes it.
+    waiting: dict[tuple, list[int]] = defaultdict(list)
     ready = deque(range(lowered.pp))
+
+    def wake(key: tuple) -> None:
+        ready.extend(waiting.pop(key, ()))
+
     while ready:
         rank = ready.popleft()
         ops = lowered.ranks[rank]
         while pointers[rank] < len(ops):
             op = ops[pointers[rank]]
             if not step(rank, op):
-                waiting[message_key(op)].append(rank)
+                waiting[wait_key(rank, op)].append(rank)
                 break
             if op.kind in (OpKind.SEND_F, OpKind.SEND_B):
-                ready.extend(waiting.pop(message_key(op), ()))
+                wake(message_key(op))
             pointers[rank] += 1
     stuck = [r for r in range(lowered.pp) if pointers[r] < len(lowered.ranks[r])]
     if stuck:
         detail = "; ".join(f"rank {r} waits at {format_op(lowered.ranks[r][pointers[r]])}" for r in stuck)
         raise ScheduleError(f"deadlock in simulation: {detail}")
-    makespan = max((e.end for e in events), default=0.0)
+    makespan = max((e.end for e in events + collectives.events), default=0.0)
     peaks, curves = _memory(changes)
     return SimResult(
         schedule=schedule,
@@ -254,6 +362,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         memory_curves=curves,
         copies=copies.events,
         offloaded_bytes_per_rank=offloaded_bytes,
+        collectives=collectives.events,
     )
 
 

@@ -12,7 +12,14 @@ It checks, and its error names the first broken rule:
    channel (NCCL and gloo match messages in order), and that a RECV waits for its SEND (sends are
    asynchronous, receives block);
 4. activation copies: at most one OFFLOAD and one RELOAD per unit, on the unit's rank, in the
-   order F, OFFLOAD, RELOAD, B (or BW); one without the other is an error.
+   order F, OFFLOAD, RELOAD, B (or BW); one without the other is an error;
+5. vocabulary parallelism (``vocab.py``): every rank runs S, T and each collective of the variant
+   exactly once per unit; every rank issues each channel's collectives in the same order (they
+   match by position, as NCCL and gloo match them); and on each rank the local order holds:
+   BCAST_X before S, S before its REDUCE_S, REDUCE_S before T, T before REDUCE_T, the loss rank's
+   last-stage F before its BCAST_X and its input-gradient reduce before the last stage's B, the
+   first stage's REDUCE_EMB before its F and its B before BCAST_DEMB. The execution check then
+   treats a collective as done once every rank has issued it (issuing never waits).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections import defaultdict, deque
 from .deps import Unit, compute_dependencies, describe
 from .ir import COMPUTE_KINDS, COPY_KINDS, Op, OpKind, Schedule, format_op
 from .lowering import matching_op
+from .vocab import CHANNELS, Layout
 
 
 class ScheduleError(ValueError):
@@ -33,6 +41,8 @@ def validate(schedule: Schedule) -> None:
     _check_structure(schedule)
     if schedule.is_lowered:
         _check_channels(schedule)
+    if schedule.vocab_parallel != "none":
+        _check_vocab(schedule)
     _check_execution(schedule)
 
 
@@ -66,6 +76,8 @@ def _check_structure(schedule: Schedule) -> None:
                 f"{op} at {_where(rank, position)}: slice out of range 0..{schedule.slices - 1}"
             )
         owner = schedule.placement.rank_of(op.stage)
+        if op.is_vocab:
+            continue  # on every rank: _check_vocab
         if op.kind in COMPUTE_KINDS or op.kind in COPY_KINDS:
             if owner != rank:
                 raise ScheduleError(
@@ -177,6 +189,104 @@ def _check_channels(schedule: Schedule) -> None:
                 )
 
 
+def _check_vocab(schedule: Schedule) -> None:
+    """Rule 5: each rank's vocabulary ops, their channel order and their local order."""
+    layout = Layout.of(schedule)
+    expected = layout.kinds()
+    units = [(mb, j) for mb in range(schedule.microbatches) for j in range(schedule.slices)]
+    channels: dict[str, list[tuple[int, list[tuple[Op, int]]]]] = {}
+    for rank, ops in enumerate(schedule.ranks):
+        where: dict[tuple[OpKind, Unit], int] = {}
+        mine: dict[str, list[tuple[Op, int]]] = {}
+        for position, op in enumerate(ops):
+            if op.kind in (*COMPUTE_KINDS, OpKind.S, OpKind.T, *CHANNELS):
+                key = (op.kind, op.unit)
+                if op.is_vocab and key in where:
+                    raise ScheduleError(
+                        f"{op} appears twice on rank {rank}: at positions {where[key]} and {position}"
+                    )
+                where.setdefault(key, position)
+            if op.is_vocab and op.stage != layout.stage_of(op.kind):
+                which = "last" if layout.stage_of(op.kind) else "first"
+                raise ScheduleError(
+                    f"{op} at {_where(rank, position)}: a {op.kind.value} names stage "
+                    f"{layout.stage_of(op.kind)} (the {which} stage's unit it serves)"
+                )
+            if op.kind == OpKind.REDUCE_T and layout.variant != "vocab-1":
+                raise ScheduleError(f"{op} at {_where(rank, position)}: vocab-2 has no REDUCE_T")
+            if op.is_collective:
+                mine.setdefault(CHANNELS[op.kind], []).append((op, position))
+        for kind in expected:
+            stage = layout.stage_of(kind)
+            for microbatch, slice_ in units:
+                if (kind, (stage, microbatch, slice_)) not in where:
+                    name = describe("", (stage, microbatch, slice_))
+                    raise ScheduleError(
+                        f"rank {rank} has no {kind.value}{name}: with {layout.variant} every rank runs "
+                        f"{', '.join(k.value for k in expected)} for every microbatch (and slice)"
+                    )
+        _check_vocab_order(schedule, layout, rank, where)
+        for channel, issued in mine.items():
+            channels.setdefault(channel, []).append((rank, issued))
+    for channel, per_rank in channels.items():
+        first_rank, first = per_rank[0]
+        for rank, issued in per_rank[1:]:
+            for index, ((a, _), (b, position)) in enumerate(zip(first, issued)):
+                if (a.kind, a.unit) != (b.kind, b.unit):
+                    raise ScheduleError(
+                        f"collective order differs in channel {channel!r}: collective {index} is {a} on "
+                        f"rank {first_rank} but {b} on rank {rank} (position {position}); every rank "
+                        "must issue a channel's collectives in the same order"
+                    )
+
+
+def _check_vocab_order(schedule: Schedule, layout: Layout, rank: int, where: dict) -> None:
+    """The local order of the vocabulary ops on ``rank``: each pair (earlier, later, why)."""
+    last = layout.last_stage
+    for microbatch in range(schedule.microbatches):
+        for slice_ in range(schedule.slices):
+            out, emb = (last, microbatch, slice_), (0, microbatch, slice_)
+            pairs = [
+                (OpKind.S, OpKind.T, out, "T needs the logits shard and statistics that S keeps"),
+                (OpKind.BCAST_X, OpKind.S, out, "S reads the broadcast output of the last stage"),
+                (OpKind.S, OpKind.REDUCE_S, out, "the reduce carries the statistics S computes"),
+                (OpKind.REDUCE_S, OpKind.T, out, "T needs the global max and sum"),
+                (OpKind.BCAST_IDS, OpKind.REDUCE_EMB, emb, "the lookup needs the token ids"),
+            ]
+            if layout.variant == "vocab-1":
+                pairs.append((OpKind.T, OpKind.REDUCE_T, out, "the reduce carries T's input gradient"))
+            if rank == layout.loss_rank:
+                backward = OpKind.B if (OpKind.B, out) in where else OpKind.BW
+                pairs += [
+                    (OpKind.F, OpKind.BCAST_X, out, "the broadcast sends the last stage's output"),
+                    (
+                        layout.input_gradient(),
+                        backward,
+                        out,
+                        "the last stage's backward needs the input gradient",
+                    ),
+                ]
+            if rank == layout.first_rank:
+                backward = OpKind.B if (OpKind.B, emb) in where else OpKind.BW
+                pairs += [
+                    (OpKind.REDUCE_EMB, OpKind.F, emb, "the first stage's F needs the embedding"),
+                    (
+                        backward,
+                        OpKind.BCAST_DEMB,
+                        emb,
+                        "the broadcast sends the first stage's input gradient",
+                    ),
+                ]
+            for earlier, later, unit, why in pairs:
+                first, second = where.get((earlier, unit)), where.get((later, unit))
+                if first is not None and second is not None and second < first:
+                    name = describe("", unit)
+                    raise ScheduleError(
+                        f"{later.value}{name} at {_where(rank, second)} runs before {earlier.value}{name} "
+                        f"(position {first}): {why}"
+                    )
+
+
 _SATISFIES = {
     "F": frozenset({OpKind.F}),
     "B": frozenset({OpKind.B}),
@@ -192,6 +302,8 @@ class _Execution:
         self.schedule = schedule
         self.lowered = schedule.is_lowered
         self.facts: set[tuple] = set()
+        self.layout = Layout.of(schedule)
+        self.issued: dict[tuple[OpKind, Unit], int] = defaultdict(int)
 
     def missing(self, rank: int, op: Op) -> tuple[str, str, frozenset[OpKind], Unit, tuple] | None:
         """None if ``op`` can run now, else (what it waits for, where that is, the op kinds that
@@ -199,6 +311,17 @@ class _Execution:
         place = self.schedule.placement
         if op.is_copy:
             return None  # placed after its F and before its B on the same rank: checked above
+        needed = self.layout.waits_for(op, rank)
+        if needed is not None and ("DONE", needed.kind, needed.unit) not in self.facts:
+            return (
+                format_op(needed),
+                "every rank (a collective completes once all have issued it)",
+                frozenset({needed.kind}),
+                needed.unit,
+                ("DONE", needed.kind, needed.unit),
+            )
+        if op.is_vocab:
+            return self._vocab_missing(rank, op)
         if op.is_comm:
             if op.kind in (OpKind.SEND_F, OpKind.SEND_B):
                 what = "F" if op.kind == OpKind.SEND_F else "BACKWARD"
@@ -222,8 +345,40 @@ class _Execution:
                 return describe(what, unit), f"rank {owner}", _SATISFIES[what], unit, (what, unit)
         return None
 
+    def _vocab_missing(self, rank: int, op: Op) -> tuple[str, str, frozenset[OpKind], Unit, tuple] | None:
+        """An S or T waits only for its collective (above); a collective's issue waits for what
+        it sends, on this rank."""
+        if not op.is_collective:
+            return None
+        needs = self.layout.issue_needs(op, rank)
+        if needs is None:
+            return None
+        what, unit = needs
+        if what in ("S", "T"):
+            fact = (what, rank, unit)
+            kinds = frozenset({OpKind(what)})
+            label = f"{what}{describe('', unit)}"
+        else:
+            fact = (what, unit)
+            kinds = _SATISFIES[what]
+            label = describe(what, unit)
+        if fact in self.facts:
+            return None
+        return label, f"rank {rank}", kinds, unit, fact
+
     def run(self, rank: int, op: Op) -> list[tuple]:
         """Record that ``op`` ran; return the facts it established."""
+        if op.is_collective:
+            key = (op.kind, op.unit)
+            self.issued[key] += 1
+            if self.issued[key] < self.schedule.pp:
+                return []
+            self.facts.add(("DONE", op.kind, op.unit))
+            return [("DONE", op.kind, op.unit)]
+        if op.kind in (OpKind.S, OpKind.T):
+            new = [(op.kind.value, rank, op.unit)]
+            self.facts.update(new)
+            return new
         if op.kind == OpKind.F:
             new = [("F", op.unit)]
         elif op.kind == OpKind.B:
