@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
+import pytest
 import torch
 from dist_utils import RankFailure, run_ranks
 from runtime_case import MICRO_BATCH, forward_step, make_batches, tiny_model
@@ -67,3 +69,107 @@ def test_peer_never_answers_every_waiting_rank_fails() -> None:
     _check(results, 3, culprit=2)
     assert "rank 2" in results[1]["error"]
     assert "rank 1" in results[0]["error"].split(":", 1)[1]
+
+
+# ---- the same faults in `train`: mid-step, with checkpoints on disk ---------------------------
+
+TRAIN_TIMEOUT_S = 4.0
+FAULT_ITERATION = 3
+TRAIN_ARGS = [
+    "--num-layers", "4", "--seq-length", "32", "--micro-batch-size", "1", "--microbatches", "4",
+    "--data", str(Path(__file__).resolve().parents[1] / "README.md"), "--pp", "2",
+    "--pp-schedule", "1f1b", "--train-iters", "4", "--save-interval", "2",
+    "--pp-p2p-timeout", str(TRAIN_TIMEOUT_S),
+]  # fmt: skip
+
+
+class Fault:
+    """Megatron's forward step, except that pipeline rank ``culprit`` dies or stops answering at
+    its second forward of iteration ``FAULT_ITERATION`` (mid-step); ``started`` records when this
+    rank began that iteration."""
+
+    def __init__(self, rank: int, culprit: int, mode: str, microbatches: int) -> None:
+        self.rank, self.culprit, self.mode = rank, culprit, mode
+        self.first = (FAULT_ITERATION - 1) * microbatches + 1
+        self.calls = 0
+        self.started: float | None = None
+
+    def __call__(self, data_iterator, model):
+        from megatron_pp_ext.megatron.steps import forward_step
+
+        self.calls += 1
+        if self.calls == self.first:
+            self.started = time.monotonic()
+        if self.rank == self.culprit and self.calls == self.first + 1:
+            if self.mode == "die":
+                os._exit(3)
+            time.sleep(TRAIN_TIMEOUT_S * 2.5)  # stops answering until every peer has given up
+            os._exit(4)
+        return forward_step(data_iterator, model)
+
+
+def train_fault_worker(rank: int, world: int, save: str, culprit: int, mode: str) -> dict:
+    from megatron_pp_ext.commands.train import fatal_errors, fatal_message, settings_from_argv, train_loop
+
+    settings = settings_from_argv([*TRAIN_ARGS, "--save", save], world)
+    fault = Fault(rank, culprit, mode, settings.microbatches)
+    try:
+        train_loop(rank, settings, torch.device("cpu"), fault)
+    except fatal_errors() as error:
+        return {"error": fatal_message(settings, error), "elapsed": time.monotonic() - fault.started}
+    return {"error": None, "elapsed": time.monotonic() - fault.started}
+
+
+def resume_worker(rank: int, world: int, root: str) -> dict:
+    """The uninterrupted run, and the runs resumed from the checkpoints the faults left."""
+    from megatron_pp_ext.commands.train import settings_from_argv, train_loop
+
+    cpu = torch.device("cpu")
+    return {
+        name: train_loop(rank, settings_from_argv([*TRAIN_ARGS, *flags], world), cpu)
+        for name, flags in (
+            ("straight", ["--save", f"{root}/straight"]),
+            ("after-die", ["--load", f"{root}/die", "--save", f"{root}/die"]),  # the same command + --load
+            ("after-hang", ["--load", f"{root}/hang", "--save", f"{root}/hang"]),
+        )
+    }
+
+
+def _check_train_fault(result: dict, rank: int, culprit: int, save: Path) -> None:
+    assert not isinstance(result, RankFailure), result
+    message = result["error"]
+    assert message is not None, f"rank {rank} finished a step whose peer was gone"
+    assert message.startswith(f"rank {rank}: "), message  # this rank, the op and the peer
+    assert any(kind in message for kind in ("RECV_F", "RECV_B", "SEND_F", "SEND_B")), message
+    assert f"rank {culprit}" in message, message
+    assert f"the last checkpoint is {save / 'iter_0000002'}" in message, message
+    assert f"--load {save}" in message, message
+    assert result["elapsed"] < TRAIN_TIMEOUT_S * 2 + 8.0, result
+
+
+@pytest.mark.slow
+def test_train_survives_a_dead_and_a_hung_peer_and_resumes_from_the_checkpoint(tmp_path) -> None:
+    """In `train`, mid-step at iteration 3: rank 0 dies (rank 1 must fail naming it), then in
+    another job rank 1 stops answering (rank 0 must fail within the timeout). Each leaves the
+    iteration-2 checkpoint, from which `--load` continues with the uninterrupted run's losses."""
+    from megatron_pp_ext.megatron.checkpoint import read_tracker
+
+    results = run_ranks(train_fault_worker, 2, str(tmp_path / "die"), 0, "die", timeout=120)
+    _check_train_fault(results[1], 1, 0, tmp_path / "die")
+    results = run_ranks(train_fault_worker, 2, str(tmp_path / "hang"), 1, "hang", timeout=120)
+    _check_train_fault(results[0], 0, 1, tmp_path / "hang")
+    assert "did not complete after" in results[0]["error"]
+    assert read_tracker(tmp_path / "die") == read_tracker(tmp_path / "hang") == 2
+
+    runs = run_ranks(resume_worker, 2, str(tmp_path), timeout=300)
+    for result in runs:
+        assert not isinstance(result, RankFailure), f"{result.error}\n{result.traceback}"
+
+    def losses(name: str) -> list[float]:  # from whichever rank reports them
+        return [
+            next(r["loss"] for r in rows if r["loss"] is not None)
+            for rows in zip(runs[0][name], runs[1][name])
+        ]
+
+    assert [row["iteration"] for row in runs[0]["after-die"]] == [3, 4]
+    assert losses("after-die") == losses("after-hang") == losses("straight")[2:]  # bitwise

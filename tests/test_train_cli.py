@@ -136,3 +136,46 @@ def test_main_job_trains_and_reports(tmp_path) -> None:
     assert last < first - 0.5, f"loss did not fall: {first:.3f} -> {last:.3f}"
     for rank in range(4):
         assert f"rank {rank}: step" in done.stdout and "peak activation" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "words"),
+    [
+        (["--save-interval", "2"], "--save-interval", "needs --save"),
+        (["--ckpt-step", "3"], "--ckpt-step", "needs --load"),
+        (["--load", "{tmp}", "--ckpt-step", "7"], "--ckpt-step", "not a complete checkpoint"),
+    ],
+)
+def test_bad_checkpoint_flags_fail_before_training(tmp_path, args: list[str], flag: str, words: str) -> None:
+    done = train(*(arg.format(tmp=tmp_path) for arg in args), timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert flag in last and words in last, last
+
+
+@pytest.mark.slow
+def test_save_then_load_resumes_with_one_command(tmp_path) -> None:
+    """`--save DIR --save-interval N`, then the same command with `--load DIR` and more
+    iterations: it goes on from the saved iteration, with Megatron's directory layout."""
+    metrics, saves = tmp_path / "metrics.jsonl", tmp_path / "checkpoints"
+    common = ["--pp", "2", "--num-layers", "4", "--seq-length", "32", "--microbatches", "4"]
+    common += [
+        "--pp-schedule",
+        "v-zb",
+        "--save",
+        str(saves),
+        "--save-interval",
+        "2",
+        "--metrics",
+        str(metrics),
+    ]
+    done = train(*common, "--train-iters", "2", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (saves / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (saves / "iter_0000002" / "metadata.json").is_file()
+    done = train(*common, "--train-iters", "3", "--load", str(saves), "--pp-schedule", "1f1b", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "at iteration 2, written by v-zb pp=2" in done.stdout, done.stdout[-2000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [1, 2, 3]  # the resumed run appends
+    assert (saves / "latest_checkpointed_iteration.txt").read_text() == "3"

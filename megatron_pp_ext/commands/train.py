@@ -5,16 +5,26 @@ schedule chosen by ``--pp-schedule``. It calls megatron-core's ``get_forward_bac
 exactly as Megatron-LM's training loop does; our hook (``megatron_pp_ext.megatron.install``)
 makes that return the chosen schedule. Bad input fails in the launching process, before any
 worker starts.
+
+Checkpoints (Megatron's ``--save``, ``--save-interval``, ``--load``, ``--ckpt-step``) are
+megatron-core ``dist_checkpointing`` checkpoints of global tensors (``megatron/checkpoint.py``):
+any schedule, placement or parallel layout loads them, and the run goes on from the saved
+iteration and data position, bitwise on the same layout. A step whose gradients hold a NaN or an
+inf is skipped and reported; a peer that dies or hangs ends every rank within
+``--pp-p2p-timeout`` with the rank, op and peer named, and the last checkpoint intact.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
+import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +74,13 @@ class TrainSettings:
     data: str | None = None
     metrics: str | None = None
     timeout: float = 300.0
+    save: str | None = None  # checkpoint directory (Megatron's --save)
+    save_interval: int | None = None  # iterations between saves (and one at the end)
+    load: str | None = None  # resume from this directory's latest checkpoint
+    ckpt_step: int | None = None  # load this iteration instead of the latest
+    load_optimizer: bool = True
+    load_rng: bool = True
+    post_validation: bool = False  # Zero Bubble's optimizer post-validation
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
 
 
@@ -123,6 +140,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, help="random seed (weights and data)")
     parser.add_argument("--data", help="a text file to train on (default: Python stdlib docstrings)")
     parser.add_argument("--metrics", help="write per-iteration metrics here as JSON lines")
+    ckpt = parser.add_argument_group("checkpoints (Megatron's flags)")
+    ckpt.add_argument("--save", help="save checkpoints to this directory (iter_XXXXXXX, atomically)")
+    ckpt.add_argument("--save-interval", type=int, help="iterations between checkpoints (and one at the end)")
+    ckpt.add_argument(
+        "--load",
+        help="resume from this directory's latest checkpoint (any schedule, placement or parallel "
+        "layout may have written it); without one, start from scratch",
+    )
+    ckpt.add_argument("--ckpt-step", type=int, help="with --load: load this iteration, not the latest")
+    ckpt.add_argument("--no-load-optim", action="store_true", help="with --load: fresh optimizer state")
+    ckpt.add_argument("--no-load-rng", action="store_true", help="with --load: keep this run's RNG states")
+    parser.add_argument(
+        "--pp-post-validation",
+        action="store_true",
+        help="Zero Bubble's optimizer post-validation: each stage steps on a partial reduction of "
+        "the gradient norm and NaN/inf state and rolls the step back if the global check fails "
+        "(same result as the synchronous step, no wait for the global norm at the iteration end)",
+    )
     add_args(parser)
     parser.set_defaults(run=run, pp_schedule=None, pp_seq_slices=None)  # None: the config's
 
@@ -179,6 +214,13 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         metrics=args.metrics,
         pipeline=options,
         timeout=options.p2p_timeout,
+        save=args.save,
+        save_interval=args.save_interval,
+        load=args.load,
+        ckpt_step=args.ckpt_step,
+        load_optimizer=not args.no_load_optim,
+        load_rng=not args.no_load_rng,
+        post_validation=args.pp_post_validation,
         **training,
     )
 
@@ -240,6 +282,7 @@ def check(settings: TrainSettings) -> None:
             "(scripts/slurm/launch.sh), or study it with simulate --model",
         )
     _check_parallel(settings, model)
+    _check_checkpoints(settings)
     flags = dict(TRAIN_FLAGS)
     if settings.global_batch_size is not None:
         flags["--microbatches"] = "--global-batch-size"
@@ -292,6 +335,60 @@ def _check_parallel(settings: TrainSettings, model: Any) -> None:
         )
 
 
+def _check_checkpoints(settings: TrainSettings) -> None:
+    """Checkpoint flags that cannot work, and a --load whose checkpoint is missing, incomplete or
+    of another model, fail here rather than in every worker."""
+    from ..megatron.checkpoint import CheckpointError, find_checkpoint, read_common
+    from ..megatron.model import ModelConfig
+
+    if settings.save_interval is not None:
+        if settings.save is None:
+            raise UsageError("--save-interval", "needs --save DIR")
+        if settings.save_interval < 1:
+            raise UsageError("--save-interval", f"needs at least 1, got {settings.save_interval}")
+    if settings.ckpt_step is not None and settings.load is None:
+        raise UsageError("--ckpt-step", "needs --load DIR")
+    if settings.load is None:
+        return
+    flag = "--load" if settings.ckpt_step is None else "--ckpt-step"
+    try:
+        path = find_checkpoint(settings.load, settings.ckpt_step)
+    except CheckpointError as error:
+        raise UsageError(flag, str(error)) from None
+    if path is None:
+        return
+    common = read_common(path)
+    saved, ours = (
+        ModelConfig(**common.get("layout", {}).get("model", settings.model)),
+        ModelConfig(**settings.model),
+    )
+    for key in SHAPE_KEYS:
+        if getattr(saved, key) != getattr(ours, key):
+            raise UsageError(
+                "--load",
+                f"{path} holds a model with {key}={getattr(saved, key)}, this run has {getattr(ours, key)}",
+            )
+    consumed = common.get("consumed_train_samples", 0)
+    if consumed % settings.micro_batch_size:
+        raise UsageError(
+            "--micro-batch-size",
+            f"{path} consumed {consumed} samples, not a multiple of --micro-batch-size "
+            f"{settings.micro_batch_size}: the data position cannot be restored",
+        )
+
+
+# Model fields a checkpoint's tensors depend on (the rest, e.g. seq_length, may change on resume).
+SHAPE_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "vocab_size",
+    "dtype",
+)
+
+
 def _check_cp_length(length: int, settings: TrainSettings, flag: str, what: str) -> None:
     """Context parallelism cuts a sequence (each slice, with a sliced schedule) into 2 x CP
     pieces, and under sequence parallelism a rank's share into TP parts."""
@@ -337,120 +434,387 @@ def run(args: argparse.Namespace) -> int:
 
 
 def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings) -> None:
-    import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state, pipeline_parallel
-    from megatron.core.distributed import DistributedDataParallelConfig
 
-    from .. import data, launch
-    from ..megatron import cpu_shim, install
-    from ..megatron.ddp import wrap_chunks, zero_grad_buffers
-    from ..megatron.model import ModelConfig, build_chunks_from, build_reference, init_parallel_state
-    from ..megatron.optimizer import OptimizerSettings, build_optimizer, optimizer_step
-    from ..megatron.steps import forward_step
+    from .. import launch
 
     device = launch.init_distributed(rank, world_size, local_rank, settings.timeout)
-    cpu_shim.install()  # no-op with CUDA
-    init_parallel_state(settings.pp, settings.tp, settings.cp)
-    hook = install(options=settings.pipeline)
-    schedule = hook.schedule(settings.pp, settings.microbatches)
-    extra = {**settings.model.get("extra", {}), "sequence_parallel": settings.sequence_parallel}
-    model_config = ModelConfig(**{**settings.model, "extra": extra})
-    pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
-    # Losses are reported per CP rank (its own tokens): summed over DP x CP. Data goes by DP rank.
-    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dp_rank = parallel_state.get_data_parallel_rank()
-
-    # Same weights whatever the schedule and layout: every stage copies its layers (its TP shard)
-    # from one seeded model.
-    torch.manual_seed(settings.seed)
-    reference = build_reference(model_config)
-    chunks, _ = build_chunks_from(
-        reference, model_config, schedule.placement, pipeline_rank, sliced=schedule.slices > 1
-    )
-    del reference
-    ddp_config = DistributedDataParallelConfig(
-        overlap_grad_reduce=settings.overlap_grad_reduce,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
-    )
-    model = wrap_chunks(chunks, ddp_config)
-    optimizer = build_optimizer(
-        model,
-        OptimizerSettings(lr=settings.lr, weight_decay=settings.weight_decay, clip_grad=settings.clip_grad),
-        bf16=model_config.dtype == "bfloat16",
-    )
-
-    tokens = data.encode(data.load_text(settings.data))
-    train_tokens, _ = data.split_train_valid(tokens)
-    # One iterator per chunk, same seed: the chunk holding the embedding reads tokens, the one
-    # holding the loss reads labels, of the same microbatches. Each data-parallel rank takes every
-    # DP-th microbatch of the one stream (Megatron's sampler order), so the global batch is the
-    # same at every DP size.
-    iterators = [
-        data.data_parallel_share(
-            data.batches(train_tokens, model_config.seq_length, settings.micro_batch_size, settings.seed),
-            settings.dp,
-            dp_rank,
-        )
-        for _ in chunks
-    ]
-
-    is_loss_rank = schedule.loss_rank == pipeline_rank
-    shows = is_loss_rank and dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
-    shows = shows and parallel_state.get_context_parallel_rank() == 0
-    progress = _progress(settings.iterations, show=shows)
-    metrics_file = open(settings.metrics, "w") if settings.metrics and shows else None
-    step_times: list[float] = []
-    bubbles: list[float] = []
-    peak_activation = 0
-    offloaded: int | None = None
-    attention: tuple[int, int, int] | None = None  # own, served, handed away: last step
-    for iteration in range(1, settings.iterations + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(settings, iteration)
-        zero_grad_buffers(model)
-        dist.barrier()
-        start = time.perf_counter()
-        forward_backward_func = pipeline_parallel.get_forward_backward_func()
-        losses = forward_backward_func(
-            forward_step_func=forward_step,
-            data_iterator=iterators,
-            model=model,
-            num_microbatches=settings.microbatches,
-            seq_length=model_config.seq_length,
-            micro_batch_size=settings.micro_batch_size,
-            forward_only=False,
-        )
-        grad_norm = optimizer_step(optimizer)
-        elapsed = time.perf_counter() - start
-        result = hook.last_result
-        step_times.append(elapsed)
-        bubbles.append(min(1.0, hook.last_wait_seconds / elapsed))
-        peak_activation = max(peak_activation, result.peak_activation_bytes)
-        offloaded = result.offload.offloaded_bytes if result.offload is not None else None
-        if result.attention is not None:
-            attention = result.attention.totals()
-        if is_loss_rank:
-            # the loss of the whole global batch: token-weighted over the data-parallel ranks
-            sums = torch.stack([sum(item["lm loss"][i] for item in losses) for i in (0, 1)]).double()
-            dist.all_reduce(sums, group=dp_group)
-            loss = float(sums[0] / sums[1])
-            progress.set_postfix(loss=f"{loss:.3f}", step=f"{elapsed:.2f}s", gnorm=f"{grad_norm:.2f}")
-            progress.update(1)
-            if metrics_file:
-                metrics_file.write(
-                    json.dumps(
-                        {"iteration": iteration, "loss": loss, "step_time": elapsed, "grad_norm": grad_norm}
-                    )
-                    + "\n"
-                )
-                metrics_file.flush()
-    progress.close()
-    if metrics_file:
-        metrics_file.close()
-    _report(rank, settings, schedule, step_times, bubbles, peak_activation, offloaded, device, attention)
-    hook.uninstall()
+    try:
+        train_loop(rank, settings, device)
+    except fatal_errors() as error:
+        _fatal(rank, settings, error)
+    except RuntimeError as error:
+        if not any(word in str(error) for word in COMMUNICATION_FAILURES):
+            raise
+        _fatal(rank, settings, error)  # a collective with a dead or hung peer (gloo: RuntimeError)
     dist.destroy_process_group()
+
+
+# How torch.distributed's backends word a failed or timed-out collective.
+COMMUNICATION_FAILURES = ("gloo", "NCCL", "Timed out", "Connection reset", "Connection closed")
+
+
+def fatal_errors() -> tuple[type[BaseException], ...]:
+    """What a dead or hung peer raises: our p2p layer's error, torch.distributed's (anything
+    else keeps its traceback)."""
+    import torch.distributed as dist
+
+    from ..runtime import PeerError
+
+    return (PeerError, dist.DistError)
+
+
+def _fatal(rank: int, settings: TrainSettings, error: BaseException) -> None:
+    """One line naming the rank and the failure (p2p errors name the op and the peer) and the
+    checkpoint to resume from; then exit at once: with a peer gone, tearing down the process
+    groups could hang."""
+    print(f"megatron-pp-ext train: rank {rank}: error: {fatal_message(settings, error)}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def fatal_message(settings: TrainSettings, error: BaseException) -> str:
+    """The error's first line and, with --save, the checkpoint ``--load`` resumes from."""
+    from ..megatron.checkpoint import iteration_dir, read_tracker
+
+    message = (str(error).splitlines() or [type(error).__name__])[0]
+    latest = read_tracker(settings.save) if settings.save else None
+    if latest is None:
+        return message
+    return (
+        f"{message}; the last checkpoint is {iteration_dir(settings.save, latest)}: resume with the "
+        f"same command and --load {settings.save}"
+    )
+
+
+def settings_from_argv(argv: list[str], world_size: int | None = None) -> TrainSettings:
+    """The checked settings of ``megatron-pp-ext train ARGV`` (``world_size``: as under a
+    launcher of that many processes), for tests and scripts that call :func:`train_loop`."""
+    parser = argparse.ArgumentParser(prog="megatron-pp-ext")
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train", *argv])
+    settings = resolve_layout(load_settings(args), world_size)
+    check(settings)
+    return settings
+
+
+def train_loop(
+    rank: int, settings: TrainSettings, device: Any, forward_step_func: Callable[..., Any] | None = None
+) -> list[dict[str, Any]]:
+    """Train in this process of an initialised ``torch.distributed`` job; return the per-iteration
+    rows (the loss where it is reported, None elsewhere). Megatron's parallel state is set up and
+    torn down here, so one process can run several jobs in a row (the tests do).
+    ``forward_step_func`` replaces Megatron's forward step (tests inject faults with it)."""
+    job = TrainJob(rank, settings, device, forward_step_func)
+    try:
+        job.resume()
+        rows = job.run()
+        job.report()
+        return rows
+    finally:
+        job.close()
+
+
+class TrainJob:
+    """One process's part of a training run: its model chunks in DDP, the optimizer, the data
+    iterators, the checkpoint, and the iteration it is at."""
+
+    def __init__(
+        self, rank: int, settings: TrainSettings, device: Any, forward_step_func: Callable[..., Any] | None
+    ) -> None:
+        from ..megatron import cpu_shim, install
+        from ..megatron.steps import forward_step
+
+        self.rank, self.settings, self.device = rank, settings, device
+        self.forward_step_func = forward_step_func or forward_step
+        cpu_shim.install()  # no-op with CUDA
+        _init_parallel(settings)
+        self.hook = install(options=settings.pipeline)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        import torch
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        from ..megatron.checkpoint import TrainingCheckpoint
+        from ..megatron.ddp import wrap_chunks
+        from ..megatron.model import ModelConfig, build_chunks_from, build_reference, split_layers
+        from ..megatron.optimizer import OptimizerSettings, build_optimizer
+
+        settings = self.settings
+        self.schedule = self.hook.schedule(settings.pp, settings.microbatches)
+        extra = {**settings.model.get("extra", {}), "sequence_parallel": settings.sequence_parallel}
+        self.model_config = ModelConfig(**{**settings.model, "extra": extra})
+        pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+        # Losses are reported per CP rank (its own tokens): summed over DP x CP. Data goes by DP rank.
+        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+
+        # Same weights whatever the schedule and layout: every stage copies its layers (its TP
+        # shard) from one seeded model.
+        torch.manual_seed(settings.seed)
+        reference = build_reference(self.model_config)
+        chunks, _ = build_chunks_from(
+            reference,
+            self.model_config,
+            self.schedule.placement,
+            pipeline_rank,
+            sliced=self.schedule.slices > 1,
+        )
+        del reference
+        ddp_config = DistributedDataParallelConfig(
+            overlap_grad_reduce=settings.overlap_grad_reduce,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        )
+        self.model = wrap_chunks(chunks, ddp_config)
+        self.optimizer = build_optimizer(
+            self.model,
+            OptimizerSettings(
+                lr=settings.lr, weight_decay=settings.weight_decay, clip_grad=settings.clip_grad
+            ),
+            bf16=self.model_config.dtype == "bfloat16",
+            post_validation=settings.post_validation,
+        )
+        self.checkpoint = TrainingCheckpoint(
+            self.model,
+            self.optimizer,
+            self.schedule.placement.stages_of(pipeline_rank),
+            split_layers(self.model_config.num_layers, self.schedule.num_stages),
+            layout=_layout(settings, self.schedule),
+        )
+        self.is_loss_rank = self.schedule.loss_rank == pipeline_rank
+        shows = (
+            self.is_loss_rank and self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+        )
+        self.shows = shows and parallel_state.get_context_parallel_rank() == 0
+        # where the run is: what a checkpoint records besides the tensors
+        self.position = {"iteration": 0, "consumed_train_samples": 0, "skipped_iterations": 0}
+        self.step_times: list[float] = []
+        self.bubbles: list[float] = []
+        self.peak_activation = 0
+        self.offloaded: int | None = None
+        self.attention: tuple[int, int, int] | None = None  # own, served, handed away: last step
+
+    def say(self, message: str) -> None:
+        if self.shows:
+            print(message, flush=True)
+
+    def resume(self) -> None:
+        """``--load``: the checkpoint's tensors, RNG and position (iteration, data)."""
+        from ..megatron.checkpoint import find_checkpoint
+
+        settings = self.settings
+        if settings.load is None:
+            return
+        path = find_checkpoint(settings.load, settings.ckpt_step)
+        if path is None:
+            self.say(f"no checkpoint in {settings.load}: starting from scratch")
+            return
+        loaded = self.checkpoint.load(path, settings.load_optimizer, settings.load_rng)
+        self.position = {key: int(loaded.get(key, value)) for key, value in self.position.items()}
+        rng = "" if loaded["rng_restored"] else " (RNG states not restored: another layout)"
+        self.say(
+            f"loaded {path} at iteration {self.position['iteration']}, written by "
+            f"{_describe(loaded.get('layout', {}))}{rng}"
+        )
+
+    def iterators(self) -> list[Any]:
+        """One iterator per chunk, same seed: the chunk holding the embedding reads tokens, the one
+        holding the loss reads labels, of the same microbatches. Each data-parallel rank takes every
+        DP-th microbatch of the one stream (Megatron's sampler order), so the global batch is the
+        same at every DP size; a resumed run starts after the samples consumed."""
+        from .. import data
+
+        settings = self.settings
+        tokens = data.encode(data.load_text(settings.data))
+        train_tokens, _ = data.split_train_valid(tokens)
+        start = self.position["consumed_train_samples"] // settings.micro_batch_size
+        seq = self.model_config.seq_length
+        return [
+            data.data_parallel_share(
+                itertools.islice(
+                    data.batches(train_tokens, seq, settings.micro_batch_size, settings.seed), start, None
+                ),
+                settings.dp,
+                self.dp_rank,
+            )
+            for _ in self.model
+        ]
+
+    def run(self) -> list[dict[str, Any]]:
+        import torch.distributed as dist
+        from megatron.core import pipeline_parallel
+
+        from ..megatron.ddp import zero_grad_buffers
+        from ..megatron.optimizer import optimizer_step
+
+        settings = self.settings
+        iterators = self.iterators()
+        first = self.position["iteration"] + 1
+        global_batch = settings.micro_batch_size * settings.microbatches * settings.dp
+        progress = _progress(settings.iterations, show=self.shows, initial=first - 1)
+        metrics_file = (
+            open(settings.metrics, "a" if first > 1 else "w") if settings.metrics and self.shows else None
+        )
+        rows: list[dict[str, Any]] = []
+        saved_at = None
+        for iteration in range(first, settings.iterations + 1):
+            for group in self.optimizer.param_groups:
+                group["lr"] = learning_rate(settings, iteration)
+            zero_grad_buffers(self.model)
+            dist.barrier()
+            start = time.perf_counter()
+            forward_backward_func = pipeline_parallel.get_forward_backward_func()
+            losses = forward_backward_func(
+                forward_step_func=self.forward_step_func,
+                data_iterator=iterators,
+                model=self.model,
+                num_microbatches=settings.microbatches,
+                seq_length=self.model_config.seq_length,
+                micro_batch_size=settings.micro_batch_size,
+                forward_only=False,
+            )
+            step = optimizer_step(self.optimizer, self.model)
+            elapsed = time.perf_counter() - start
+            self._measure(elapsed)
+            self.position["iteration"] = iteration
+            self.position["consumed_train_samples"] += global_batch
+            self.position["skipped_iterations"] += int(step.skipped)
+            loss = self._global_loss(losses) if self.is_loss_rank else None
+            row = {
+                "iteration": iteration,
+                "loss": loss if self.shows else None,
+                "step_time": elapsed,
+                "grad_norm": step.grad_norm,
+                "skipped": step.skipped,
+                "optimistic": step.optimistic,
+                "rolled_back": step.rolled_back,
+                "offloaded_bytes": self.offloaded,
+            }
+            rows.append(row)
+            if self.shows:
+                postfix = {"loss": f"{loss:.3f}", "step": f"{elapsed:.2f}s", "gnorm": f"{step.grad_norm:.2f}"}
+                if self.position["skipped_iterations"]:
+                    postfix["skipped"] = str(self.position["skipped_iterations"])
+                progress.set_postfix(postfix)
+                if step.skipped:
+                    progress.write(
+                        f"iteration {iteration}: optimizer step skipped: gradient norm {step.grad_norm} "
+                        f"(NaN/inf), loss {loss}; {self.position['skipped_iterations']} skipped so far"
+                    )
+                progress.update(1)
+                if metrics_file:
+                    metrics_file.write(json.dumps({key: row[key] for key in METRICS}) + "\n")
+                    metrics_file.flush()
+            if settings.save and settings.save_interval and iteration % settings.save_interval == 0:
+                self.save(progress)
+                saved_at = iteration
+        if settings.save and rows and saved_at != settings.iterations:
+            self.save(progress)  # as Megatron-LM: the last iteration is always saved
+        progress.close()
+        if metrics_file:
+            metrics_file.close()
+        return rows
+
+    def save(self, progress: Any) -> None:
+        start = time.perf_counter()
+        common = {**self.position, "opt_param_scheduler": _scheduler_state(self.settings)}
+        path = self.checkpoint.save(self.settings.save, self.position["iteration"], common)
+        if self.shows:
+            progress.write(f"saved {path} in {time.perf_counter() - start:.2f}s")
+
+    def _global_loss(self, losses: list[Any]) -> float:
+        """The loss of the whole global batch: token-weighted over the data-parallel ranks."""
+        import torch
+        import torch.distributed as dist
+
+        sums = torch.stack([sum(item["lm loss"][i] for item in losses) for i in (0, 1)]).double()
+        dist.all_reduce(sums, group=self.dp_group)
+        return float(sums[0] / sums[1])
+
+    def _measure(self, elapsed: float) -> None:
+        result = self.hook.last_result
+        self.step_times.append(elapsed)
+        self.bubbles.append(min(1.0, self.hook.last_wait_seconds / elapsed))
+        self.peak_activation = max(self.peak_activation, result.peak_activation_bytes)
+        self.offloaded = result.offload.offloaded_bytes if result.offload is not None else None
+        if result.attention is not None:
+            self.attention = result.attention.totals()
+
+    def report(self) -> None:
+        if self.step_times:
+            _report(
+                self.rank,
+                self.settings,
+                self.schedule,
+                self.step_times,
+                self.bubbles,
+                self.peak_activation,
+                self.offloaded,
+                self.device,
+                self.attention,
+            )
+
+    def close(self) -> None:
+        from megatron.core import parallel_state
+
+        self.hook.uninstall()
+        parallel_state.destroy_model_parallel()
+
+
+METRICS = ("iteration", "loss", "step_time", "grad_norm", "skipped", "rolled_back")
+
+
+def _init_parallel(settings: TrainSettings) -> None:
+    """Megatron's parallel state with our timeout on its groups: a dead peer in a collective
+    fails within ``--pp-p2p-timeout``, not Megatron's default 30 minutes."""
+    from megatron.core import parallel_state
+
+    from ..megatron.model import init_parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=settings.tp,
+            pipeline_model_parallel_size=settings.pp,
+            context_parallel_size=settings.cp,
+            distributed_timeout_minutes=settings.timeout / 60,
+            create_gloo_process_groups=False,
+        )
+    init_parallel_state(settings.pp, settings.tp, settings.cp)  # checks the sizes
+
+
+def _layout(settings: TrainSettings, schedule: Any) -> dict[str, Any]:
+    """What wrote a checkpoint: schedule, parallel sizes (RNG states are restored only under the
+    same) and model (a load of another model's checkpoint is refused before start)."""
+    return {
+        "schedule": schedule.name,
+        "vpp": schedule.vpp,
+        "slices": schedule.slices,
+        "parallel": {"pp": settings.pp, "tp": settings.tp, "cp": settings.cp, "dp": settings.dp},
+        "model": dict(settings.model),
+    }
+
+
+def _describe(layout: dict[str, Any]) -> str:
+    sizes = " ".join(f"{key}={value}" for key, value in layout.get("parallel", {}).items())
+    return f"{layout.get('schedule', 'an unknown schedule')} {sizes}".strip()
+
+
+def _scheduler_state(settings: TrainSettings) -> dict[str, Any]:
+    """The learning-rate schedule (a function of the iteration), recorded as Megatron records its
+    scheduler; the run's own flags decide it on resume."""
+    return {
+        "max_lr": settings.lr,
+        "min_lr": settings.min_lr,
+        "warmup_iters": settings.warmup,
+        "decay_iters": settings.iterations,
+    }
 
 
 def learning_rate(settings: TrainSettings, iteration: int) -> float:
@@ -461,10 +825,18 @@ def learning_rate(settings: TrainSettings, iteration: int) -> float:
     return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def _progress(total: int, show: bool) -> Any:
+def _progress(total: int, show: bool, initial: int = 0) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="train", unit="it", disable=not show, file=sys.stdout, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc="train",
+        unit="it",
+        disable=not show,
+        file=sys.stdout,
+        dynamic_ncols=True,
+    )
 
 
 def _report(

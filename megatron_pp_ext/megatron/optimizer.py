@@ -12,10 +12,18 @@ all-reduce, per-token scaling). Then:
   once). Under the distributed optimizer's layout DDP leaves each data-parallel rank only its
   shard of the reduced gradients; this path all-gathers the shards first, so every rank takes the
   same full step (the memory saving of sharded optimizer state is a GPU-path property).
+
+A step whose gradients hold a NaN or an inf (the global norm is not finite) is skipped, as
+Megatron skips one its loss scaler finds overflowed: no update, and the step is reported
+(:class:`StepInfo`). :class:`MainGradOptimizer` can post-validate (``post_validation.py``: step
+before the global check, roll back if it fails), bitwise equal to the synchronous step, and gives
+a sharded state dict keyed by the model's global parameter names (``checkpoint.py``), so its
+state reshards with the model.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +33,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+from .post_validation import PostValidation, Snapshot
+
+ADAM_STATE = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -36,11 +48,27 @@ class OptimizerSettings:
     clip_grad: float = 1.0
 
 
+@dataclass(frozen=True)
+class StepInfo:
+    """What one optimizer step did: the global gradient norm before clipping, whether the step
+    was skipped (non-finite gradients), and under post-validation whether this rank stepped
+    before the global check (``optimistic``) and had to roll that step back (and redo it)."""
+
+    grad_norm: float
+    skipped: bool = False
+    optimistic: bool = False
+    rolled_back: bool = False
+
+
 class MainGradOptimizer:
     """``torch.optim.AdamW`` over DDP-wrapped chunks, stepping on ``main_grad``; ``step()``
-    returns the global gradient norm before clipping."""
+    returns the global gradient norm before clipping (``last`` holds the whole :class:`StepInfo`).
+    ``post_validation``: step before the global norm and NaN/inf check (see
+    ``post_validation.py``), same result."""
 
-    def __init__(self, model: Sequence[Any], settings: OptimizerSettings) -> None:
+    def __init__(
+        self, model: Sequence[Any], settings: OptimizerSettings, post_validation: bool = False
+    ) -> None:
         self.model = list(model)
         self.settings = settings
         self.params = [p for chunk in self.model for p in chunk.parameters() if p.requires_grad]
@@ -51,6 +79,8 @@ class MainGradOptimizer:
             betas=settings.betas,
             eps=settings.eps,
         )
+        self.validation = PostValidation() if post_validation else None
+        self.last = StepInfo(0.0)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -60,15 +90,103 @@ class MainGradOptimizer:
         gather_grad_shards(self.model)
         for param in self.params:
             param.grad = param.main_grad.to(param.dtype)
+        try:
+            self.last = self._synchronous_step() if self.validation is None else self._validated_step()
+        finally:
+            for param in self.params:
+                param.grad = None
+        return self.last.grad_norm
+
+    def _synchronous_step(self) -> StepInfo:
         norm = global_grad_norm(self.params)
+        if not math.isfinite(norm):
+            return StepInfo(norm, skipped=True)
+        self._clip(norm)
+        self.optimizer.step()
+        return StepInfo(norm)
+
+    def _validated_step(self) -> StepInfo:
+        """Post-validation: the optimistic step needs only this pipeline's partial state."""
+        assert self.validation is not None
+        pending = self.validation.begin(local_square_sum(self.params))
+        clip = self.settings.clip_grad
+        optimistic = math.isfinite(pending.partial) and not (clip > 0 and math.sqrt(pending.partial) > clip)
+        snapshot = None
+        if optimistic:
+            snapshot = Snapshot(self.optimizer, self.params)
+            self.optimizer.step()
+        norm = pending.wait()
+        valid = math.isfinite(norm) and not (clip > 0 and norm > clip)
+        if optimistic and valid:
+            return StepInfo(norm, optimistic=True)
+        if snapshot is not None:
+            snapshot.restore()
+        if not math.isfinite(norm):
+            return StepInfo(norm, skipped=True, optimistic=optimistic, rolled_back=optimistic)
+        self._clip(norm)
+        self.optimizer.step()
+        return StepInfo(norm, optimistic=optimistic, rolled_back=optimistic)
+
+    def _clip(self, norm: float) -> None:
+        """Megatron's clipping by the global norm."""
         clip = self.settings.clip_grad
         if clip > 0 and norm > clip:
             for param in self.params:
                 param.grad.mul_(clip / (norm + 1e-6))
-        self.optimizer.step()
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def _init_state(self) -> None:
+        """The AdamW state torch creates at the first step, created now (same values) so a
+        checkpoint always has it and a load has tensors to load into."""
         for param in self.params:
-            param.grad = None
-        return norm
+            state = self.optimizer.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                for key in ADAM_STATE:
+                    state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict[str, Any], is_loading: bool = False) -> dict:
+        """Adam's moments as sharded tensors keyed ``optimizer.state.<moment>.<model key>`` with
+        the model parameter's sharding (global layer numbers, TP shards), so they reshard with
+        the model whatever the schedule, placement or parallel sizes; the step count (the same
+        for every parameter) and the hyperparameters as common state."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            make_sharded_optimizer_tensor,
+        )
+
+        self._init_state()
+        sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
+        missing = [index for index in range(len(self.params)) if index not in sharded]
+        if missing:
+            raise ValueError(f"{len(missing)} optimizer parameters have no sharded model tensor")
+        state = {
+            index: {
+                key: make_sharded_optimizer_tensor(
+                    sharded[index], self.optimizer.state[param][key], prefix=f"optimizer.state.{key}"
+                )
+                for key in ADAM_STATE
+            }
+            for index, param in enumerate(self.params)
+        }
+        steps = {float(self.optimizer.state[param]["step"]) for param in self.params}
+        if len(steps) > 1:
+            raise ValueError(f"parameters have different Adam step counts {sorted(steps)}")
+        hyper = {key: self.settings.__dict__[key] for key in ("weight_decay", "betas", "eps")}
+        return {"state": state, "step": steps.pop() if steps else 0.0, "hyperparameters": hyper}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take the loaded :meth:`sharded_state_dict` (tensors loaded, common values read)."""
+        self._init_state()
+        for index, param in enumerate(self.params):
+            state = self.optimizer.state[param]
+            for key in ADAM_STATE:
+                loaded = state_dict["state"][index][key]
+                if loaded is not state[key]:
+                    state[key].copy_(loaded)
+            state["step"] = torch.tensor(float(state_dict["step"]), dtype=torch.float32)
 
 
 def gather_grad_shards(model: Sequence[Any]) -> None:
@@ -89,23 +207,42 @@ def gather_grad_shards(model: Sequence[Any]) -> None:
                 )
 
 
-def global_grad_norm(params: Sequence[torch.Tensor]) -> float:
-    """L2 norm of every gradient of the model: squares summed over the tensor- and pipeline-
-    parallel ranks, each tensor-parallel duplicate (norm weights) counted once."""
+def local_square_sum(params: Sequence[torch.Tensor], main_grad: bool = False) -> torch.Tensor:
+    """This rank's share of the squared gradient norm (float64) of ``.grad`` (or ``.main_grad``),
+    each tensor-parallel duplicate (norm weights) counted on one rank only; a NaN or inf makes it
+    non-finite."""
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for param in params:
-        if param.grad is not None and param_is_not_tensor_parallel_duplicate(param):
-            total += param.grad.double().pow(2).sum()
+        grad = getattr(param, "main_grad", None) if main_grad else param.grad
+        if grad is not None and param_is_not_tensor_parallel_duplicate(param):
+            total += grad.double().pow(2).sum()
+    return total
+
+
+def global_grad_norm(params: Sequence[torch.Tensor], main_grad: bool = False) -> float:
+    """L2 norm of every gradient of the model: squares summed over the tensor- and pipeline-
+    parallel ranks, each tensor-parallel duplicate (norm weights) counted once."""
+    total = local_square_sum(params, main_grad)
     dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
     return float(total.sqrt())
 
 
-def build_optimizer(model: Sequence[Any], settings: OptimizerSettings, bf16: bool = False) -> Any:
-    """Megatron's optimizer on GPU, :class:`MainGradOptimizer` on CPU (see the module docstring).
+def main_grads_finite(model: Sequence[Any]) -> tuple[bool, float]:
+    """Whether the reduced gradients (``main_grad``) are finite on every model-parallel rank,
+    and their global norm: the check Megatron's own optimizer lacks for fp32/bf16."""
+    norm = global_grad_norm([p for chunk in model for p in chunk.parameters() if p.requires_grad], True)
+    return math.isfinite(norm), norm
+
+
+def build_optimizer(
+    model: Sequence[Any], settings: OptimizerSettings, bf16: bool = False, post_validation: bool = False
+) -> Any:
+    """Megatron's optimizer on GPU, :class:`MainGradOptimizer` on CPU (see the module docstring)
+    and wherever ``post_validation`` is asked for (Megatron's optimizer cannot roll a step back).
     Both have ``param_groups`` and a ``step()``; Megatron's returns (ok, grad norm, zeros)."""
-    if not torch.cuda.is_available():
-        return MainGradOptimizer(model, settings)
+    if post_validation or not torch.cuda.is_available():
+        return MainGradOptimizer(model, settings, post_validation=post_validation)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
@@ -123,9 +260,18 @@ def build_optimizer(model: Sequence[Any], settings: OptimizerSettings, bf16: boo
     return get_megatron_optimizer(config, list(model))
 
 
-def optimizer_step(optimizer: Any) -> float:
-    """One step; the gradient norm whichever optimizer it is."""
+def optimizer_step(optimizer: Any, model: Sequence[Any] | None = None) -> StepInfo:
+    """One step, whichever optimizer it is; a step with non-finite gradients is skipped. For
+    Megatron's optimizer (no skip without a loss scaler) ``model`` lets the gradients be checked
+    first."""
+    if isinstance(optimizer, MainGradOptimizer):
+        optimizer.step()
+        return optimizer.last
+    if model is not None:
+        finite, norm = main_grads_finite(model)
+        if not finite:
+            return StepInfo(norm, skipped=True)
     result = optimizer.step()
     if isinstance(result, tuple):
-        return float(result[1])
-    return float(result)
+        return StepInfo(float(result[1]), skipped=not result[0])
+    return StepInfo(float(result))

@@ -1,0 +1,150 @@
+"""Optimizer post-validation (Zero Bubble, section 4) on real processes (gloo): steps taken
+before the global gradient check, rolled back when it fails, give bitwise the synchronous
+optimizer's losses, gradient norms, weights and Adam moments, in fp32 and bf16, including a step
+whose gradient holds an injected inf (skipped and reported) and steps that need clipping."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from dist_utils import check_ok, run_ranks
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = [
+    "--num-layers", "4", "--seq-length", "32", "--micro-batch-size", "1", "--microbatches", "4",
+    "--data", str(REPO / "README.md"), "--pp-p2p-timeout", "60", "--train-iters", "5", "--pp", "2",
+]  # fmt: skip
+INF_ITERATION = 3  # the second microbatch of this iteration gets an inf in its gradient
+CASES = {"v-zb-fp32": ("v-zb", "float32"), "zb-h1-bf16": ("zb-h1", "bfloat16")}
+
+
+class _InfGradient(torch.autograd.Function):
+    """Identity forward; backward puts an inf into one element of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+
+class InjectInf:
+    """Megatron's forward step; in iteration ``INF_ITERATION`` the first stage's output for the
+    second microbatch passes through :class:`_InfGradient`, so only the first stage's weights
+    (rank 0) get the inf: rank 1, which sees only its own gradients before the global check, steps
+    and must roll back."""
+
+    def __init__(self, microbatches: int) -> None:
+        self.target = (INF_ITERATION - 1) * microbatches + 2
+        self.calls = 0
+
+    def __call__(self, data_iterator: Any, model: Any) -> tuple[Any, Any]:
+        from megatron.core.utils import unwrap_model
+
+        from megatron_pp_ext.megatron.steps import forward_step
+
+        output, loss_func = forward_step(data_iterator, model)
+        inner = unwrap_model(model)
+        if inner.pre_process and not inner.post_process:
+            self.calls += 1
+            if self.calls == self.target:
+                output = _InfGradient.apply(output)
+        return output, loss_func
+
+
+def config_file(directory: str, dtype: str) -> None:
+    """tiny-llama with clip_grad 2: some steps need clipping (rolled back), some not."""
+    config = yaml.safe_load((REPO / "configs/tiny-llama.yaml").read_text())
+    config["model"]["dtype"] = dtype
+    config["training"]["clip_grad"] = 2.0
+    (Path(directory) / f"tiny-{dtype}.yaml").write_text(yaml.safe_dump(config))
+
+
+def worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    from megatron_pp_ext.commands.train import settings_from_argv, train_loop
+
+    out: dict[str, Any] = {}
+    for name, (schedule, dtype) in CASES.items():
+        if rank == 0:
+            config_file(root, dtype)
+        torch.distributed.barrier()
+        config = str(Path(root) / f"tiny-{dtype}.yaml")
+        for mode, flags in (("sync", []), ("post", ["--pp-post-validation"])):
+            argv = [*COMMON, "--config", config, "--pp-schedule", schedule, *flags]
+            argv += ["--save", f"{root}/{name}/{mode}"]
+            settings = settings_from_argv(argv, world)
+            log = io.StringIO()
+            with contextlib.redirect_stdout(log):
+                rows = train_loop(rank, settings, torch.device("cpu"), InjectInf(settings.microbatches))
+            out[f"{name}/{mode}"] = rows
+            out[f"{name}/{mode}/log"] = log.getvalue()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("post-validation")
+    return root, check_ok(run_ranks(worker, 2, str(root), timeout=600))
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(path, f"{scratch}/all.pt")
+        state = torch.load(f"{scratch}/all.pt", weights_only=False)
+    return {key: value for key, value in state.items() if torch.is_tensor(value)}
+
+
+def same(a: float | None, b: float | None) -> bool:
+    return a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_post_validation_is_bitwise_the_synchronous_step(runs, name: str) -> None:
+    root, results = runs
+    for rank, result in enumerate(results):
+        sync, post = result[f"{name}/sync"], result[f"{name}/post"]
+        assert len(sync) == len(post) == 5
+        for a, b in zip(sync, post):
+            assert same(a["loss"], b["loss"]) and same(a["grad_norm"], b["grad_norm"]), (rank, a, b)
+            assert a["skipped"] == b["skipped"]
+        # the injected inf: every rank skips that step, and only that one
+        assert [row["skipped"] for row in post] == [i == INF_ITERATION for i in range(1, 6)]
+        assert not math.isfinite(post[INF_ITERATION - 1]["grad_norm"])
+    # rank 1 (no inf, its partial state only its own) stepped before the global check, kept
+    # some steps and rolled back the inf one and those that needed clipping
+    rank1 = results[1][f"{name}/post"]
+    assert rank1[INF_ITERATION - 1]["rolled_back"]
+    assert any(row["optimistic"] and not row["rolled_back"] for row in rank1)
+    assert any(row["rolled_back"] and not row["skipped"] for row in rank1)  # clipping
+    final_sync, final_post = (
+        tensors(root / name / "sync/iter_0000005"),
+        tensors(root / name / "post/iter_0000005"),
+    )
+    assert sorted(final_sync) == sorted(final_post)
+    for key, value in final_sync.items():
+        assert torch.equal(value, final_post[key]), key
+
+
+def test_skipped_step_is_reported_in_the_log(runs) -> None:
+    _, results = runs
+    log = results[0]["v-zb-fp32/post/log"]  # v-zb reports on rank 0
+    assert f"iteration {INF_ITERATION}: optimizer step skipped" in log, log[-2000:]
+    assert "skipped=1" in log
