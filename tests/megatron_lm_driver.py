@@ -113,9 +113,23 @@ def chunk_summary(model: list) -> list[dict]:
                 "embedding": hasattr(inner, "embedding"),
                 "output_layer": hasattr(inner, "output_layer"),
                 "layers": [layer.layer_number for layer in inner.decoder.layers],
+                "sharded": sharded_tensors(chunk),
             }
         )
     return summary
+
+
+def sharded_tensors(chunk: torch.nn.Module) -> list[list]:
+    """What Megatron's checkpointing saves of a chunk: (key, global offset, global shape) of every
+    sharded tensor of its ``sharded_state_dict`` (Megatron-LM's save_checkpoint starts there)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return [
+        [item.key, list(item.global_offset), list(item.global_shape)]
+        for item in nested_values(chunk.sharded_state_dict())
+        if isinstance(item, ShardedTensor)
+    ]
 
 
 def initialize(argv: list[str]) -> None:

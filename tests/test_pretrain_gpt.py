@@ -189,6 +189,24 @@ def test_get_model_builds_the_schedules_stages(patched_tree: Path, tmp_path: Pat
         [(True, False, True, False, [1, 2]), (False, True, False, True, [7, 8])],
         [(False, False, False, False, [3, 4]), (False, False, False, False, [5, 6])],
     ]
+    # What Megatron-LM's save_checkpoint writes (each chunk's sharded_state_dict): the same global
+    # tensors, offsets and shapes as under 1F1B's placement, so checkpoints move between schedules.
+    one_f_one_b = run_driver(patched_tree, tmp_path, "chunks", 2, PP2)
+
+    def saved(run: list[dict]) -> list[tuple]:
+        found = [
+            (key, tuple(offset), tuple(shape))
+            for r in run
+            for c in r["chunks"]
+            for key, offset, shape in c["sharded"]
+        ]
+        assert len(found) == len(set(found)), "a tensor is saved twice"
+        return sorted(found)
+
+    v_saved = saved(ranks)
+    assert ("output_layer.weight", (0, 0), (384, 64)) in v_saved
+    assert ("decoder.layers.self_attention.linear_qkv.weight", (7, 0, 0), (8, 128, 64)) in v_saved
+    assert v_saved == saved(one_f_one_b)
 
 
 @pytest.fixture(scope="module")
