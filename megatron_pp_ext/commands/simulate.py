@@ -6,7 +6,10 @@ shows each peak with and without them. With ``--pp-vocab-parallel`` the input em
 output layer are spread over all pipeline ranks (S and T passes, ``schedule/vocab.py``) and the
 table compares makespan, busy time and peak memory with and without. With ``--model`` and
 Megatron's parallel flags (TP, SP, CP, DP, distributed optimizer) each rank's memory is its
-activations plus weights, gradients and optimizer state (``schedule/memory_model.py``).
+activations plus weights, gradients and optimizer state (``schedule/memory_model.py``). With
+``--iterations N`` the schedule runs N times back to back with the optimizer step between
+(``schedule/iterations.py``): the iteration-boundary bubble, and with ``--pp-post-validation``
+how much Zero Bubble's optimizer post-validation takes back (``docs/post_validation.md``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from ..schedule.costs import CostModel, UniformCosts
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule, load
+from ..schedule.iterations import IterationsResult, simulate_iterations
 from ..schedule.memory_model import MemoryParts, ParallelError, Parallelism, check_parallel, stage_layers
 from ..schedule.models import ModelShape
 from ..schedule.offload import (
@@ -113,11 +117,105 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         + ",".join(f"{g * UNIFORM_GEMM:g}" for g in GEMMS["vocab-2"])
         + ")",
     )
+    add_iteration_args(parser)
     parser.add_argument("--plot", help="write a timeline picture (.png or .svg)")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace (.json)")
     parser.add_argument("--save", help="write the generated schedule (.json or text)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(run=run)
+
+
+def add_iteration_args(parser: argparse.ArgumentParser) -> None:
+    """Several iterations with the optimizer step between them (``schedule/iterations.py``)."""
+    group = parser.add_argument_group("iterations and the optimizer step (docs/post_validation.md)")
+    group.add_argument(
+        "--iterations",
+        type=int,
+        default=1,
+        help="simulate N iterations back to back and print the per-iteration time and bubble",
+    )
+    group.add_argument(
+        "--pp-post-validation",
+        action="store_true",
+        help="also with Zero Bubble's optimizer post-validation (each rank steps on the partial "
+        "gradient state; no wait for the global norm), next to the synchronous step",
+    )
+    group.add_argument(
+        "--pp-post-validation-chain",
+        choices=("auto", "up", "down"),
+        default="auto",
+        help="order of the partial state: by iteration end (auto), rank 0 to p-1 (up, the paper's) "
+        "or p-1 to 0 (down, the runtime's today)",
+    )
+    group.add_argument(
+        "--optimizer-time", type=float, default=0.0, help="one optimizer step (same unit as --costs)"
+    )
+    group.add_argument(
+        "--norm-reduce-time",
+        type=float,
+        default=0.0,
+        help="the global gradient-norm all-reduce after the last rank is done (same unit)",
+    )
+
+
+def iterations_of(
+    args: argparse.Namespace, schedule: Schedule, model: CostModel
+) -> dict[str, IterationsResult]:
+    """The N-iteration runs the flags ask for: sync, and with --pp-post-validation post-validation
+    and the runtime's variant that waits for the global state (empty without either flag)."""
+    count = getattr(args, "iterations", 1)
+    post = getattr(args, "pp_post_validation", False)
+    if count == 1 and not post:
+        return {}
+    if count < 1:
+        raise UsageError("--iterations", f"needs at least 1 iteration, got {count}")
+    for flag, value in (
+        ("--optimizer-time", args.optimizer_time),
+        ("--norm-reduce-time", args.norm_reduce_time),
+    ):
+        if value < 0:
+            raise UsageError(flag, f"must be >= 0, got {value}")
+    names = ("sync", "post-validation", "post-validation-wait") if post else ("sync",)
+    return {
+        name: simulate_iterations(
+            schedule,
+            model,
+            count,
+            name,
+            optimizer_time=args.optimizer_time,
+            reduce_time=args.norm_reduce_time,
+            chain=args.pp_post_validation_chain,
+        )
+        for name in names
+    }
+
+
+def with_iterations(
+    args: argparse.Namespace, result: SimResult, schedule: Schedule, model: CostModel
+) -> SimResult:
+    """``result`` with its N-iteration runs attached (``result.iterations``, when asked for)."""
+    runs = iterations_of(args, schedule, model)
+    if runs:
+        result.iterations = runs  # type: ignore[attr-defined]
+    return result
+
+
+def iterations_summary(runs: dict[str, IterationsResult]) -> str:
+    """One line per optimizer: per-iteration time (steady state and mean) and bubble."""
+    labels = {
+        "sync": "synchronous optimizer",
+        "post-validation": "post-validation",
+        "post-validation-wait": "post-validation, waiting for the global norm (train today)",
+    }
+    first = next(iter(runs.values()))
+    lines = [f"{first.iterations} iterations back to back (optimizer step {first.optimizer_time:g}):"]
+    for name, run in runs.items():
+        chain = f", chain {'>'.join(map(str, run.chain))}" if name != "sync" else ""
+        lines.append(
+            f"  {labels[name]}: per iteration {run.period:.4g} (steady), {run.time_per_iteration:.4g} "
+            f"(mean), bubble {run.bubble_rate:.3f}{chain}"
+        )
+    return "\n".join(lines)
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -354,6 +452,9 @@ def result_dict(args: argparse.Namespace, result: SimResult) -> dict[str, Any]:
     data["memory_max_over_min"] = memory_balance(args, result)
     if result.without_vocab is not None:
         data["without_vocab_parallel"] = result_dict(args, result.without_vocab)
+    runs = getattr(result, "iterations", None)
+    if runs:
+        data["iterations"] = {name: run.to_dict() for name, run in runs.items()}
     return data
 
 
@@ -444,9 +545,10 @@ def finish(
     if args.pp_attn_redistribution:
         model = redistributed(args, schedule, model, plan)
     if args.pp_offload == "none":
-        return simulate(schedule, model)
+        return with_iterations(args, simulate(schedule, model), schedule, model)
     check_offload_args(args)
-    result = simulate(offloaded(args, schedule, model), model)
+    copied = offloaded(args, schedule, model)
+    result = with_iterations(args, simulate(copied, model), copied, model)
     result.baseline = simulate(schedule, model)
     return result
 
@@ -502,6 +604,10 @@ def _row(
         row["no vocab: makespan"] = f"{plain.makespan:.4g}"
         row["no vocab: busy max/min"] = f"{plain.busy_max_over_min:.3f}"
         row["no vocab: mem max/min"] = f"{memory_balance(args, plain):.3f}"
+    for name, run in (getattr(result, "iterations", None) or {}).items():
+        short = {"sync": "sync", "post-validation": "post-val", "post-validation-wait": "post-val wait"}[name]
+        row[f"{short}: per iter"] = f"{run.period:.4g}"
+        row[f"{short}: bubble"] = f"{run.bubble_rate:.3f}"
     return row
 
 
@@ -538,6 +644,8 @@ def run(args: argparse.Namespace) -> int:
         print(offload_summary(result))
     if result.without_vocab is not None:
         print(vocab_summary(args, result))
+    if getattr(result, "iterations", None):
+        print(iterations_summary(result.iterations))  # type: ignore[attr-defined]
     meta = result.schedule.meta
     if "bubble_without_redistribution" in meta:
         print(
