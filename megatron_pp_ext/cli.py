@@ -13,13 +13,13 @@ import sys
 from .commands.errors import UsageError
 
 # command name -> module under megatron_pp_ext.commands with add_parser(subparsers)
-COMMANDS = {"simulate": "simulate", "train": "train", "bench": "bench"}
+COMMANDS = {"simulate": "simulate", "plan": "plan", "train": "train", "bench": "bench"}
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-pp-ext",
-        description="Pipeline-parallel schedules for Megatron-core: simulate, train, bench.",
+        description="Pipeline-parallel schedules for Megatron-core: simulate, plan, train, bench.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)

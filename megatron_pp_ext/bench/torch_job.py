@@ -29,7 +29,7 @@ from ..megatron.model import ModelConfig, build_stage, copy_from_reference, laye
 from ..megatron.steps import loss_func
 from ..runtime import ActivationMeter
 from ..schedule.ir import Placement
-from .plan import TorchPair
+from .job import TorchPair
 
 
 class LiveBytes:

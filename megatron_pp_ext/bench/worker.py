@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..megatron.model import ModelConfig
-from .plan import BenchSettings, Row
+from .job import BenchSettings, Row
 
 CHECK_RTOL = {"loss": 1e-5, "grad_norm": 1e-4}
 

@@ -14,7 +14,7 @@ import json
 import os
 import tempfile
 
-from ..bench.plan import MODEL_SIZES, BenchSettings, known_names, plan_row
+from ..bench.job import MODEL_SIZES, BenchSettings, known_names, plan_row
 from .errors import UsageError
 
 

@@ -1,4 +1,4 @@
-"""What the bench runs: model sizes, our schedules paired with torch's, and the rows to fill.
+"""The bench's job: model sizes, our schedules paired with torch's, and the rows to fill.
 
 Decided in the launching process, before any worker starts, so a bad flag fails in one line and
 every rank gets the same plan.

@@ -1,0 +1,71 @@
+"""The search's answer as text: the ranked table, the top plan's memory, and why the rest lost."""
+
+from __future__ import annotations
+
+from .search import SearchResult
+from .step import PlanResult
+
+
+def plan_row(rank: int, plan: PlanResult) -> dict[str, str]:
+    c, m = plan.candidate, plan.memory.to_gib()
+    return {
+        "#": str(rank),
+        "TP": str(c.layout.tp),
+        "CP": str(c.layout.cp),
+        "PP": str(c.layout.pp),
+        "DP": str(c.layout.dp),
+        "schedule": c.schedule,
+        "v": str(c.vpp),
+        "k": str(c.slices),
+        "offload": c.offload,
+        "recompute": c.recompute,
+        "step s": f"{plan.step_time:.3f}",
+        "tok/s/GPU": f"{plan.tokens_per_s_per_gpu:.0f}",
+        "MFU": f"{plan.mfu:.1%}",
+        "GiB": f"{m['total']:.1f}",
+        "= W+G+O": f"{m['weights']:.1f}+{m['gradients']:.1f}+{m['optimizer']:.1f}",
+        "+ act": f"{m['activations']:.1f}",
+        "+ comm": f"{m['comm_buffers']:.1f}",
+        "+ rsv": f"{m['reserved']:.1f}",
+        "bubble": f"{plan.bubble:.3f}",
+    }
+
+
+def table(rows: list[dict[str, str]]) -> str:
+    headers = list(rows[0])
+    widths = {h: max(len(h), *(len(r[h]) for r in rows)) for h in headers}
+    lines = ["  ".join(h.rjust(widths[h]) for h in headers)]
+    lines.append("  ".join("-" * widths[h] for h in headers))
+    lines += ["  ".join(r[h].rjust(widths[h]) for h in headers) for r in rows]
+    return "\n".join(lines)
+
+
+def summary(result: SearchResult, title: str) -> str:
+    lines = [title, table([plan_row(i + 1, p) for i, p in enumerate(result.plans)])]
+    best = result.plans[0]
+    parts = best.memory.to_gib()
+    lines.append(
+        f"top plan, per GPU: {parts['total']:.1f} GiB = weights {parts['weights']:.1f} + gradients "
+        f"{parts['gradients']:.1f} + optimizer {parts['optimizer']:.1f} + activations "
+        f"{parts['activations']:.1f} + communication buffers {parts['comm_buffers']:.1f} + reserved "
+        f"{parts['reserved']:.1f} (of {best.problem.profile.memory_bytes / 2**30:.1f}); step = pipeline "
+        f"{best.pipeline_time:.3f} s + exposed gradient sync {best.grad_sync_exposed:.3f} s + optimizer "
+        f"{best.optimizer_time:.3f} s; {best.microbatches} microbatches of {best.problem.micro_batch} "
+        "per DP rank"
+    )
+    lines.extend(f"  note: {note}" for note in best.notes)
+    lines.append(rejections(result))
+    return "\n".join(lines)
+
+
+def rejections(result: SearchResult) -> str:
+    proof = (
+        "the top plans are proven by the bounds" if result.proven else "simulation budget spent: best found"
+    )
+    lines = [
+        f"searched {result.considered} candidates, simulated {result.simulated} in {result.seconds:.1f} s "
+        f"({proof}); not in the table:"
+    ]
+    for reason, count in result.rejected.most_common():
+        lines.append(f"  {reason}: {count} (e.g. {result.examples[reason]})")
+    return "\n".join(lines)

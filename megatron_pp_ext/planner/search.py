@@ -1,0 +1,348 @@
+"""The search: every valid layout and pipeline choice, pruned by cheap bounds, the rest simulated.
+
+1. Layouts: every TP x CP x PP x DP factorisation of the GPU count that Megatron accepts for the
+   model, sequence and batch (``layout.layout_problem``), and whose weights, gradients and
+   optimizer state fit at all.
+2. Pipeline choices per layout: each schedule with its chunk counts (even layer splits), slice
+   counts for the sequence-sliced families (slices of at least ``MIN_SLICE`` tokens), and, only
+   where the plain choice cannot fit, activation offload or full recomputation (they cost time,
+   so they never win otherwise).
+3. Bounds without simulating: a memory lower bound (what the last stage's rank must hold when
+   its first backward starts) rejects what cannot fit, and a time lower bound (the busiest rank's
+   compute) orders the rest.
+4. Branch and bound: candidates are simulated in order of their time bound; once N plans fit,
+   anything whose bound is above the N-th best step time cannot enter the top N and is pruned.
+   A budget of simulations caps the work; the result says whether the top N is proven.
+5. The top N are simulated again with every microbatch (the search simulates at most 2p).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from types import SimpleNamespace
+
+from ..schedule.generators import SCHEDULES, generate
+from ..schedule.ir import Placement
+from ..schedule.memory_model import stage_layers, static_memory
+from ..schedule.partition import PartitionError
+from .costs import PlanCosts
+from .layout import Layout, divisors, layout_problem, layouts
+from .step import (
+    Candidate,
+    PlanResult,
+    Problem,
+    Rejection,
+    evaluate,
+    lower_bound_memory,
+    lower_bound_time,
+    microbatches_of,
+)
+
+MIN_SLICE = 4096  # tokens: shorter slices leave the GEMMs too small to be worth it
+MAX_SLICES = 32
+MAX_UNITS_PER_RANK = 160  # chunks x slices of one microbatch on a rank (SlimPipe's largest: 5 x 32)
+SLICED_FAMILIES = ("seq1f1b", "seq1f1b-interleaved", "slimpipe", "slimpipe-interleaved")
+
+
+@dataclass
+class SearchResult:
+    plans: list[PlanResult]
+    rejected: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+    considered: int = 0
+    simulated: int = 0
+    pruned: int = 0
+    proven: bool = True
+    seconds: float = 0.0
+
+    def reject(self, reason: str, detail: str, count: int = 1) -> None:
+        self.rejected[reason] += count
+        self.examples.setdefault(reason, detail)
+
+
+@cache
+def splits_backward(name: str) -> bool:
+    """Whether ``name`` splits backward into B and W (checked on a small instance)."""
+    spec = SCHEDULES[name]
+    vpp = spec.default_vpp
+    slices = max(1, spec.min_slices(2, vpp))
+    return generate(
+        name, 2, max(4, spec.min_microbatches(2, vpp, slices)), vpp=vpp, slices=slices
+    ).splits_backward
+
+
+def chunk_options(name: str, layers: int, pp: int) -> list[int]:
+    """Chunks per rank ``name`` can take with an even split of ``layers`` over ``pp`` ranks."""
+    spec = SCHEDULES[name]
+    if spec.allowed_vpp is not None:
+        return [v for v in spec.allowed_vpp if layers % (pp * v) == 0]
+    return [v for v in divisors(layers // pp) if v >= max(2, spec.min_vpp)]
+
+
+def slice_options(name: str, seq_length: int, multiple: int, pp: int, vpp: int) -> list[int]:
+    """Slice counts: 1 for whole-sequence schedules; powers of two from 2 for the sliced ones,
+    each slice a multiple of the layout's sequence multiple and at least ``MIN_SLICE`` tokens."""
+    if name not in SLICED_FAMILIES:
+        return [1]
+    needed = SCHEDULES[name].min_slices(pp, vpp)
+    options = []
+    k = 2
+    while k <= MAX_SLICES and seq_length // k >= MIN_SLICE:
+        if seq_length % (k * multiple) == 0 and k >= needed:
+            options.append(k)
+        k *= 2
+    return options
+
+
+def pipeline_choices(problem: Problem, layout: Layout, names: list[str]) -> list[tuple[str, int, int]]:
+    """(schedule, chunks per rank, slices) for ``layout``; one pipeline rank runs 1F1B only."""
+    layers = problem.shape.layers
+    multiple = math.lcm(8, layout.parallel.sequence_multiple)
+    choices = []
+    for name in names:
+        if layout.pp == 1 and name not in ("1f1b", "slimpipe"):
+            continue
+        for vpp in chunk_options(name, layers, layout.pp) if layout.pp > 1 else [1]:
+            for k in slice_options(name, problem.seq_length, multiple, layout.pp, vpp):
+                if vpp * k <= MAX_UNITS_PER_RANK:
+                    choices.append((name, vpp, k))
+    return choices
+
+
+def _stub(candidate: Candidate) -> SimpleNamespace:
+    """What PlanCosts and the bounds read of a schedule, without generating one."""
+    spec = SCHEDULES[candidate.schedule]
+    layout = candidate.layout
+    stages = layout.pp * candidate.vpp
+    return SimpleNamespace(
+        meta={"partition": spec.default_partition},
+        slices=candidate.slices,
+        num_stages=stages,
+        pp=layout.pp,
+        placement=Placement(layout.pp, stages, spec.placement),
+        splits_backward=splits_backward(candidate.schedule),
+    )
+
+
+def bounds(problem: Problem, candidate: Candidate) -> tuple[float, float]:
+    """(time lower bound in s, memory lower bound in bytes; 0 when offloading)."""
+    stub = _stub(candidate)
+    layers = stage_layers(problem.shape.layers, stub.num_stages)
+    costs = PlanCosts(
+        problem.shape,
+        stub,  # type: ignore[arg-type]
+        problem.seq_length,
+        candidate.layout,
+        problem.profile,
+        problem.micro_batch,
+        candidate.recompute,
+        layers,
+    )
+    m = microbatches_of(problem, candidate.layout)
+    seconds = lower_bound_time(stub, costs, m)  # type: ignore[arg-type]
+    memory = 0.0 if candidate.offload != "none" else lower_bound_memory(problem, candidate, costs, stub)  # type: ignore[arg-type]
+    return seconds, memory
+
+
+def static_fits(problem: Problem, layout: Layout) -> float:
+    """Largest weights + gradients + optimizer state of a rank, plus the reserve (bytes)."""
+    layers = stage_layers(problem.shape.layers, layout.pp)
+    static = static_memory(problem.shape, Placement(layout.pp, layout.pp), layout.parallel, layers)
+    return max(p.weights + p.gradients + p.optimizer for p in static) + problem.profile.reserved_bytes
+
+
+def memory_savers(candidate: Candidate) -> list[Candidate]:
+    """Variants that trade time for memory: offload, and full recompute where the plugin runs
+    Megatron's recompute (whole sequences, no CP, fused backward)."""
+    layout, name, vpp, k = candidate.layout, candidate.schedule, candidate.vpp, candidate.slices
+    variants = [Candidate(layout, name, vpp, k, "auto", "none")]
+    if k == 1 and layout.cp == 1 and not splits_backward(name):
+        variants += [Candidate(layout, name, vpp, k, offload, "full") for offload in ("none", "auto")]
+    return variants
+
+
+def _group(candidate: Candidate) -> tuple:
+    """Candidates that differ only in chunks and slices: their estimates err alike."""
+    return (candidate.layout, candidate.schedule, candidate.offload, candidate.recompute)
+
+
+Progress = Callable[["SearchResult", int, "float | None"], None]
+ESTIMATE_MARGIN = 0.01  # stop once the estimates are this much slower than the N-th best
+
+# Share of 1F1B's fill-and-drain idle time each schedule keeps, with T_F = T_B = T_W
+# (REFERENCE.md secs. 1-4): only to order the queue; the simulator decides.
+BUBBLE_SHARE = {
+    "zb-h1": 1 / 3,
+    "zb-auto": 1 / 3,
+    "uniform-interleaved": 1 / 3,
+    "zb-h2": 0.05,
+    "v-min": 2 / 3,
+    "v-half": 1 / 2,
+    "v-zb": 0.05,
+    "dualpipev": 0.3,
+}
+
+
+def estimated_bubble(candidate: Candidate, microbatches: int) -> float:
+    """Idle time over busy time: (p-1) units of 1/(v k) microbatch each, against m microbatches."""
+    p = candidate.layout.pp
+    units = candidate.vpp * candidate.slices * microbatches
+    return BUBBLE_SHARE.get(candidate.schedule, 1.0) * (p - 1) / units
+
+
+class _Search:
+    """The branch and bound of :func:`search` (state shared by its steps)."""
+
+    def __init__(self, problem: Problem, top: int, progress: Progress | None) -> None:
+        self.problem, self.top, self.progress = problem, top, progress
+        self.result = SearchResult(plans=[])
+        self.heap: list[tuple[float, int, float, Candidate]] = []
+        self.best: list[PlanResult] = []
+        # simulated step over the queue's estimate, per group and per schedule
+        self.correction: dict[tuple, float] = {}
+        self.schedule_correction: dict[str, float] = {}
+        self.saved: set[Candidate] = set()
+
+    def push(self, candidate: Candidate) -> None:
+        self.result.considered += 1
+        try:
+            seconds, memory = bounds(self.problem, candidate)
+        except (PartitionError, ValueError) as error:
+            self.result.reject("indivisible: slices", f"{candidate.label()}: {error}")
+            return
+        if memory > self.problem.profile.memory_bytes:
+            self.result.reject("out of memory", f"{candidate.label()}: at least {memory / 2**30:.1f} GiB")
+            self.save_memory(candidate)
+            return
+        m = microbatches_of(self.problem, candidate.layout)
+        estimate = seconds * (1 + estimated_bubble(candidate, m))
+        heapq.heappush(self.heap, (estimate, self.result.considered, seconds, candidate))
+
+    def save_memory(self, candidate: Candidate) -> None:
+        if candidate.offload == candidate.recompute == "none" and candidate not in self.saved:
+            self.saved.add(candidate)
+            for saver in memory_savers(candidate):
+                self.push(saver)
+
+    def threshold(self) -> float:
+        return self.best[self.top - 1].step_time if len(self.best) >= self.top else math.inf
+
+    def run(self, max_simulations: int) -> None:
+        """Pop by estimate; prune by the bound (exact) or by a simulated shape's own ratio."""
+        result = self.result
+        while self.heap:
+            estimate, _, bound, candidate = heapq.heappop(self.heap)
+            threshold = self.threshold()
+            if estimate > threshold * (1 + ESTIMATE_MARGIN):
+                left = len(self.heap) + 1
+                result.reject(
+                    "slower than the top plans (estimate)",
+                    f"{candidate.label()}: about {estimate:.2f} s",
+                    left,
+                )
+                self.heap.clear()
+                break
+            if bound >= threshold:
+                result.reject(
+                    "slower than the top plans (bound)", f"{candidate.label()}: at least {bound:.2f} s"
+                )
+                continue
+            factor = self.correction.get(_group(candidate), self.schedule_correction.get(candidate.schedule))
+            if factor is not None and estimate * factor > threshold * (1 + ESTIMATE_MARGIN):
+                about = f"{candidate.label()}: about {estimate * factor:.2f} s"
+                result.reject("slower than the top plans (estimate)", about)
+                continue
+            if result.simulated >= max_simulations:
+                result.proven = False
+                left = len(self.heap) + 1
+                result.reject(
+                    "not simulated (budget)", f"{candidate.label()} and the rest of the queue", left
+                )
+                self.heap.clear()
+                break
+            self.evaluate(candidate, estimate)
+            if self.progress is not None:
+                self.progress(result, len(self.heap), self.best[0].step_time if self.best else None)
+
+    def evaluate(self, candidate: Candidate, estimate: float) -> None:
+        try:
+            plan = evaluate(self.problem, candidate)
+        except Rejection as error:
+            self.result.reject(
+                error.reason,
+                error.detail if candidate.label() in error.detail else f"{candidate.label()}: {error.detail}",
+            )
+            if error.reason == "out of memory":
+                self.save_memory(candidate)
+            return
+        self.result.simulated += 1
+        factor = plan.step_time / estimate if estimate > 0 else 1.0
+        self.correction[_group(candidate)] = min(factor, self.correction.get(_group(candidate), factor))
+        self.schedule_correction.setdefault(candidate.schedule, factor)
+        if not plan.fits:
+            self.result.reject("out of memory", f"{candidate.label()}: {plan.memory_gib:.1f} GiB")
+            self.save_memory(candidate)
+            return
+        self.best.append(plan)
+        self.best.sort(key=lambda p: p.step_time)
+
+
+def search(
+    problem: Problem,
+    top: int = 10,
+    schedules: list[str] | None = None,
+    max_simulations: int = 300,
+    progress: Progress | None = None,
+) -> SearchResult:
+    """Rank plans for ``problem``; the result's ``plans`` fit in memory, best first."""
+    start = time.perf_counter()
+    state = _Search(problem, top, progress)
+    result = state.result
+    for layout in layouts(problem.gpus, problem.gpus_per_node):
+        found = layout_problem(
+            layout, problem.shape, problem.seq_length, problem.global_batch, problem.micro_batch
+        )
+        if found:
+            result.reject(*found)
+            continue
+        static = static_fits(problem, layout)
+        if static > problem.profile.memory_bytes:
+            result.reject(
+                "out of memory: weights, gradients, optimizer",
+                f"{layout.label()}: {static / 2**30:.1f} GiB before any activation",
+            )
+            continue
+        for name, vpp, k in pipeline_choices(problem, layout, schedules or list(SCHEDULES)):
+            state.push(Candidate(layout, name, vpp, k))
+    state.run(max_simulations)
+    result.plans = _resimulate(problem, state.best[:top])
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+FULL_SIMULATION_UNITS = 20_000
+
+
+def _resimulate(problem: Problem, plans: list[PlanResult]) -> list[PlanResult]:
+    """The plans again with every microbatch simulated (when the schedule stays small enough);
+    a plan whose full replay no longer fits is dropped."""
+    final = []
+    for plan in plans:
+        c = plan.candidate
+        units = c.layout.pp * c.vpp * c.slices * plan.microbatches
+        if plan.simulated_microbatches < plan.microbatches and units <= FULL_SIMULATION_UNITS:
+            try:
+                plan = evaluate(problem, c, full=True)
+            except Rejection:
+                continue
+            if not plan.fits:
+                continue
+        final.append(plan)
+    final.sort(key=lambda p: p.step_time)
+    return final

@@ -1,0 +1,507 @@
+"""One candidate plan, evaluated: its schedule replayed by the simulator, plus what a training
+step adds around the pipeline (data-parallel gradient sync, the optimizer, parameter gathers)
+and every part of a GPU's memory.
+
+Step time = the slowest rank's end, where a rank ends when both its last op and its gradient
+reduce-scatters are done. Each model chunk's reduce-scatter (Megatron's ``overlap_grad_reduce``)
+starts once the chunk's last weight gradient is in, on one communication stream per rank, so
+chunks that finish early hide theirs behind the rest of the pipeline. Then the distributed
+optimizer's Adam step (bandwidth-bound over this rank's shard) and the parameter all-gather,
+of which only the first layer's bucket waits (``overlap_param_gather``).
+
+Large microbatch counts are simulated with fewer microbatches (at least 2p) and extended by the
+busiest rank's time per microbatch: the steady state repeats, so the makespan grows by that per
+microbatch and the activation peak (reached in the steady state) does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
+from ..schedule.ir import Op, OpKind, Schedule
+from ..schedule.lowering import lower
+from ..schedule.memory_model import padded_vocab, stage_layers, static_memory
+from ..schedule.models import ModelShape
+from ..schedule.offload import OffloadError, OffloadPolicy, apply_offload
+from ..schedule.partition import PartitionError
+from ..schedule.simulate import SimResult, simulate
+from ..schedule.validate import ScheduleError
+from .costs import PlanCosts
+from .devices import GIB, DeviceProfile
+from .kernels import Kernels
+from .layout import Layout
+
+OPTIMIZER_BYTES_PER_PARAM = 34  # fp32 grad, master, m, v read; master, m, v, bf16 weight written
+
+
+class Rejection(Exception):
+    """A candidate that cannot run (or cannot fit): ``reason`` groups it in the summary."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What the user asks for: a model at a sequence length on ``gpus`` GPUs of ``profile``."""
+
+    shape: ModelShape
+    seq_length: int
+    gpus: int
+    profile: DeviceProfile
+    global_batch: int
+    micro_batch: int = 1
+    gpus_per_node: int = 8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    schedule: str
+    vpp: int
+    slices: int
+    offload: str = "none"  # none | auto
+    recompute: str = "none"  # none | full
+
+    def label(self) -> str:
+        extra = [f"offload {self.offload}"] if self.offload != "none" else []
+        extra += [f"recompute {self.recompute}"] if self.recompute != "none" else []
+        return f"{self.layout.label()} {self.schedule} v{self.vpp} k{self.slices}" + "".join(
+            f", {e}" for e in extra
+        )
+
+
+@dataclass
+class MemoryBreakdown:
+    """One GPU's memory in bytes (the rank with the largest total)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    comm_buffers: float
+    reserved: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.comm_buffers
+            + self.reserved
+        )
+
+    def to_gib(self) -> dict[str, float]:
+        parts = {k: v / GIB for k, v in self.__dict__.items()}
+        return {**{k: round(v, 3) for k, v in parts.items()}, "total": round(self.total / GIB, 3)}
+
+
+@dataclass
+class PlanResult:
+    problem: Problem
+    candidate: Candidate
+    microbatches: int
+    simulated_microbatches: int
+    step_time: float
+    pipeline_time: float
+    grad_sync_exposed: float
+    optimizer_time: float
+    bubble: float
+    memory: MemoryBreakdown
+    model_flops: float
+    offloaded_units: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory.total / GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.problem.profile.memory_bytes
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        p = self.problem
+        return p.global_batch * p.seq_length / self.step_time / p.gpus
+
+    @property
+    def mfu(self) -> float:
+        p = self.problem
+        return self.model_flops / (self.step_time * p.gpus * p.profile.peak_flops)
+
+    def to_dict(self) -> dict[str, Any]:
+        c, lay = self.candidate, self.candidate.layout
+        return {
+            "tp": lay.tp,
+            "cp": lay.cp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "vpp": c.vpp,
+            "schedule": c.schedule,
+            "slices": c.slices,
+            "offload": c.offload,
+            "recompute": c.recompute,
+            "sequence_parallel": lay.tp > 1,
+            "microbatches": self.microbatches,
+            "micro_batch_size": self.problem.micro_batch,
+            "global_batch_size": self.problem.global_batch,
+            "step_time_s": self.step_time,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "bubble": self.bubble,
+            "memory_gib": self.memory_gib,
+            "memory_parts_gib": self.memory.to_gib(),
+            "fits": self.fits,
+            "pipeline_time_s": self.pipeline_time,
+            "grad_sync_exposed_s": self.grad_sync_exposed,
+            "optimizer_s": self.optimizer_time,
+            "simulated_microbatches": self.simulated_microbatches,
+            "offloaded_units": self.offloaded_units,
+        }
+
+
+def microbatches_of(problem: Problem, layout: Layout) -> int:
+    return problem.global_batch // (layout.dp * problem.micro_batch)
+
+
+UNIT_BUDGET = 4_000  # (stage, microbatch, slice) units one search simulation may hold
+
+
+def simulated_count(microbatches: int, candidate: Candidate, full: bool) -> int:
+    """Microbatches to simulate: all of them, or enough for the steady state (2p, at least 4),
+    fewer when a microbatch has many units (v chunks x k slices reach it sooner)."""
+    if full:
+        return microbatches
+    layout = candidate.layout
+    count = min(microbatches, max(2 * layout.pp, 4))
+    per_microbatch = layout.pp * candidate.vpp * candidate.slices
+    if count * per_microbatch > UNIT_BUDGET:
+        count = min(count, max(2, -(-UNIT_BUDGET // per_microbatch)))
+    needed = SCHEDULES[candidate.schedule].min_microbatches(layout.pp, candidate.vpp, candidate.slices)
+    return max(count, min(needed, microbatches))
+
+
+@lru_cache(maxsize=64)
+def _lowered(name: str, pp: int, microbatches: int, vpp: int, slices: int, costs: Costs | None) -> Schedule:
+    """Generated and lowered once; layouts with the same pipeline shape share it."""
+    return lower(generate(name, pp, microbatches, vpp=vpp, slices=slices, costs=costs))
+
+
+_OFFLOADED: dict[tuple[int, float], tuple[Schedule, Schedule]] = {}
+
+
+def _offloaded(schedule: Schedule, ratio: float) -> Schedule:
+    """``schedule`` with PipeOffload's auto policy at ratio k (rounded, so layouts share it)."""
+    key = (id(schedule), ratio)
+    hit = _OFFLOADED.get(key)
+    if hit is not None and hit[0] is schedule:
+        return hit[1]
+    if len(_OFFLOADED) >= 16:
+        _OFFLOADED.clear()
+    offloaded = apply_offload(schedule, OffloadPolicy("auto", ratio=ratio))
+    _OFFLOADED[key] = (schedule, offloaded)
+    return offloaded
+
+
+def offload_ratio(schedule: Schedule, costs: PlanCosts) -> float:
+    """PipeOffload's k from the cost model: copy time over compute time of one microbatch's
+    units (``offload.ratio_from_costs`` in closed form: every microbatch is alike)."""
+    kinds = (OpKind.F, OpKind.B, OpKind.W) if schedule.splits_backward else (OpKind.F, OpKind.BW)
+    copy = compute = 0.0
+    for stage in range(schedule.num_stages):
+        for j in range(schedule.slices):
+            compute += sum(costs.duration(Op(kind, stage, 0, j)) for kind in kinds)
+            copy += costs.copy_time(Op(OpKind.OFFLOAD, stage, 0, j))
+    if compute <= 0:
+        raise OffloadError("the cost model gives no compute time to hide copies behind", "--pp-offload")
+    return copy / compute
+
+
+def build_schedule(candidate: Candidate, microbatches: int, unit_costs: Costs | None = None) -> Schedule:
+    try:
+        return _lowered(
+            candidate.schedule,
+            candidate.layout.pp,
+            microbatches,
+            candidate.vpp,
+            candidate.slices,
+            unit_costs if candidate.schedule == "zb-auto" else None,
+        )
+    except RequestError as error:
+        raise Rejection(f"schedule: {error.flag}", str(error)) from None
+
+
+def peak_activations(schedule: Schedule, costs: PlanCosts) -> list[float]:
+    """Each rank's activation peak without offload, from its op order alone: the simulator's
+    rule (F holds its activation from its start, B keeps the W share, W and BW free) applied in
+    program order, which is time order on one rank, so no event replay is needed."""
+    peaks = []
+    for ops in schedule.ranks:
+        level = peak = 0.0
+        held: dict[tuple[int, int, int], float] = {}
+        for op in ops:
+            kind = op.kind
+            if kind is OpKind.F:
+                level += costs.activation(op)
+                peak = max(peak, level)
+            elif kind is OpKind.B:
+                share = costs.weight_share(op)
+                held[op.unit] = share
+                level += share - costs.activation(op)
+                peak = max(peak, level)
+            elif kind is OpKind.W:
+                level -= held.pop(op.unit)
+            elif kind is OpKind.BW:
+                level -= costs.activation(op)
+        peaks.append(peak)
+    return peaks
+
+
+def stage_params(shape: ModelShape, layers: list[int], tp: int) -> list[int]:
+    """Parameters of each virtual stage on one TP rank (as ``memory_model.rank_params``)."""
+    layer = shape.layer_params() // tp + 2 * shape.hidden
+    vocab = padded_vocab(shape.vocab, tp) // tp * shape.hidden
+    params = [count * layer for count in layers]
+    params[0] += vocab
+    params[-1] += vocab + shape.hidden
+    return params
+
+
+def evaluate(
+    problem: Problem, candidate: Candidate, full: bool = False, check_memory: bool = True
+) -> PlanResult:
+    """Simulate ``candidate``. Raises :class:`Rejection` if it cannot be built, or, without
+    offload and with ``check_memory``, if its memory (known before any replay) does not fit."""
+    layout = candidate.layout
+    m = microbatches_of(problem, layout)
+    m_sim = simulated_count(m, candidate, full)
+    if m_sim > m:
+        raise Rejection(
+            "schedule: microbatches", f"{candidate.schedule} needs {m_sim} microbatches, the batch gives {m}"
+        )
+    try:
+        layers = stage_layers(problem.shape.layers, layout.pp * candidate.vpp)
+    except ValueError as error:
+        raise Rejection("too few layers", str(error)) from None
+    schedule = build_schedule(candidate, m_sim)
+    try:
+        costs = PlanCosts(
+            problem.shape,
+            schedule,
+            problem.seq_length,
+            layout,
+            problem.profile,
+            problem.micro_batch,
+            candidate.recompute,
+            layers,
+        )
+    except PartitionError as error:
+        raise Rejection("indivisible: slices", str(error)) from None
+    if candidate.schedule == "zb-auto":
+        lt = costs.layer_seconds()
+        schedule = build_schedule(candidate, m_sim, Costs(lt.forward, lt.backward, lt.weight))
+    offloaded = 0
+    if candidate.offload == "none" and check_memory:
+        memory = _memory(problem, candidate, schedule, costs, peak_activations(schedule, costs), layers)
+        if memory.total > problem.profile.memory_bytes:
+            raise Rejection("out of memory", f"{candidate.label()}: {memory.total / GIB:.1f} GiB")
+    if candidate.offload == "none":
+        run = schedule
+    else:
+        try:
+            run = _offloaded(schedule, round(offload_ratio(schedule, costs), 2))
+        except OffloadError as error:
+            raise Rejection("schedule: offload", str(error)) from None
+        offloaded = run.meta.get("offloaded_units", 0)
+    try:
+        result = simulate(run, costs)
+    except ScheduleError as error:
+        raise Rejection("schedule: simulation", str(error)) from None
+    return _assemble(problem, candidate, schedule, costs, result, m, layers, offloaded)
+
+
+def _per_microbatch_busy(schedule: Schedule, costs: PlanCosts) -> list[float]:
+    """Compute seconds of one microbatch (all slices) on each rank."""
+    kinds = (OpKind.F, OpKind.B, OpKind.W) if schedule.splits_backward else (OpKind.F, OpKind.BW)
+    busy = [0.0] * schedule.pp
+    for stage in range(schedule.num_stages):
+        rank = schedule.placement.rank_of(stage)
+        for j in range(schedule.slices):
+            busy[rank] += sum(costs.duration(Op(kind, stage, 0, j)) for kind in kinds)
+    return busy
+
+
+def _assemble(
+    problem: Problem,
+    candidate: Candidate,
+    schedule: Schedule,
+    costs: PlanCosts,
+    result: SimResult,
+    m: int,
+    layers: list[int],
+    offloaded: int,
+) -> PlanResult:
+    layout, shape, profile = candidate.layout, problem.shape, problem.profile
+    kernels = Kernels(profile)
+    m_sim = schedule.microbatches
+    per_mb = _per_microbatch_busy(schedule, costs)
+    extra = (m - m_sim) * max(per_mb)
+    makespan = result.makespan + extra
+    busy = [b + (m - m_sim) * pm for b, pm in zip(result.busy_per_rank, per_mb)]
+    bubble = sum((makespan - b) / makespan for b in busy) / len(busy) if makespan > 0 else 0.0
+
+    # data-parallel gradient reduce-scatter per chunk, on one comm stream per rank
+    group = layout.dp * layout.cp
+    params = stage_params(shape, layers, layout.tp)
+    sharded = layout.parallel.distributed_optimizer
+    step_end = makespan
+    for rank in range(schedule.pp):
+        stages = sorted(schedule.placement.stages_of(rank))
+        ready = sorted(zip(_stage_ends(result, rank, stages), (params[s] for s in stages)))
+        stream = 0.0
+        for end, count in ready:
+            seconds = kernels.collective(4 * count, group, layout.dp_intra) * (1 if sharded else 2)
+            stream = max(stream, end + extra) + seconds
+        step_end = max(step_end, stream)
+    grad_exposed = step_end - makespan
+
+    rank_params = [0] * schedule.pp
+    for stage, count in enumerate(params):
+        rank_params[schedule.placement.rank_of(stage)] += count
+    most = max(rank_params)
+    shard = most / (group if sharded else 1)
+    optimizer = kernels.memory(OPTIMIZER_BYTES_PER_PARAM * shard + 4 * most)
+    if sharded:
+        gather = kernels.collective(shape.bytes_per_element * most, group, layout.dp_intra)
+        optimizer += gather / max(1, max(layers))
+    step_time = step_end + optimizer
+
+    memory = _memory(problem, candidate, schedule, costs, result.peak_memory_per_rank, layers)
+    flops = _model_flops(schedule, costs) * m * layout.dp
+    notes = [] if m_sim == m else [f"simulated {m_sim} of {m} microbatches, extended by the steady state"]
+    return PlanResult(
+        problem=problem,
+        candidate=candidate,
+        microbatches=m,
+        simulated_microbatches=m_sim,
+        step_time=step_time,
+        pipeline_time=makespan,
+        grad_sync_exposed=grad_exposed,
+        optimizer_time=optimizer,
+        bubble=bubble,
+        memory=memory,
+        model_flops=flops,
+        offloaded_units=offloaded,
+        notes=notes,
+    )
+
+
+def _stage_ends(result: SimResult, rank: int, stages: list[int]) -> list[float]:
+    """When each of ``stages`` (on ``rank``) finishes its last weight-gradient op."""
+    last: dict[int, float] = {}
+    for event in result.events:
+        if event.rank == rank and event.op.kind in (OpKind.W, OpKind.BW):
+            last[event.op.stage] = max(last.get(event.op.stage, 0.0), event.end)
+    return [last.get(s, result.makespan) for s in stages]
+
+
+def _model_flops(schedule: Schedule, costs: PlanCosts) -> float:
+    """Model FLOPs of one microbatch (forward, input and weight gradients; no recompute)."""
+    total = 0.0
+    for stage in range(schedule.num_stages):
+        for j in range(schedule.slices):
+            total += sum(costs.flops(Op(kind, stage, 0, j)) for kind in (OpKind.F, OpKind.B, OpKind.W))
+    return total
+
+
+def _memory(
+    problem: Problem,
+    candidate: Candidate,
+    schedule: Schedule,
+    costs: PlanCosts,
+    peaks: list[float],
+    layers: list[int],
+) -> MemoryBreakdown:
+    """The rank with the largest total: static parts, activation peak, buffers, reserve."""
+    layout, shape = candidate.layout, problem.shape
+    static = static_memory(shape, schedule.placement, layout.parallel, layers)
+    e = shape.bytes_per_element
+    longest = problem.micro_batch * max(costs.lengths)
+    buffers = 4 * longest * shape.hidden * e / layout.parallel.sequence_split  # p2p in flight
+    if layout.tp > 1:
+        buffers += 2 * longest / layout.cp * shape.hidden * e  # SP all-gathered layer inputs
+    if layout.cp > 1:
+        buffers += longest * 2 * shape.kv_width / layout.tp * e  # one slice's gathered K/V
+    transient = costs.recompute_working_set()
+    best: MemoryBreakdown | None = None
+    for parts, peak in zip(static, peaks):
+        candidate_memory = MemoryBreakdown(
+            weights=parts.weights,
+            gradients=parts.gradients,
+            optimizer=parts.optimizer,
+            activations=peak + transient,
+            comm_buffers=buffers,
+            reserved=problem.profile.reserved_bytes,
+        )
+        if best is None or candidate_memory.total > best.total:
+            best = candidate_memory
+    assert best is not None
+    return best
+
+
+def lower_bound_memory(problem: Problem, candidate: Candidate, costs: PlanCosts, schedule: Schedule) -> float:
+    """Bytes the rank holding the last stage must hold at least, without offload: its static
+    parts and, when the last stage starts its first backward, every slice of microbatch 0 on all
+    of its stages (they all ran their forwards and none of their backwards yet)."""
+    layout = candidate.layout
+    layers = costs.layers
+    static = static_memory(problem.shape, schedule.placement, layout.parallel, layers)
+    rank = schedule.placement.rank_of(schedule.num_stages - 1)
+    held = sum(
+        costs.activation(Op(OpKind.F, stage, 0, j))
+        for stage in schedule.placement.stages_of(rank)
+        for j in range(schedule.slices)
+    )
+    parts = static[rank]
+    return parts.weights + parts.gradients + parts.optimizer + held + problem.profile.reserved_bytes
+
+
+def lower_bound_time(schedule: Schedule, costs: PlanCosts, microbatches: int) -> float:
+    """The busiest rank's compute for the whole step: no schedule can finish sooner. Closed form
+    (layers on the rank times one layer's F+B+W over the slices, plus the output layer)."""
+    split = schedule.splits_backward
+    per_layer = sum(
+        (t.forward + t.backward + t.weight) if split else (t.forward + t.fused)
+        for t in (costs.layer_seconds(j) for j in range(schedule.slices))
+    )
+    head = sum(
+        (t.forward + t.backward + t.weight) if split else (t.forward + t.fused)
+        for t in (costs.head_seconds(j) for j in range(schedule.slices))
+    )
+    placement = schedule.placement
+    last = placement.rank_of(schedule.num_stages - 1)
+    busiest = 0.0
+    for rank in range(schedule.pp):
+        layers = sum(costs.layers[s] for s in placement.stages_of(rank))
+        busiest = max(busiest, layers * per_layer + (head if rank == last else 0.0))
+    return busiest * microbatches
+
+
+__all__ = [
+    "Candidate",
+    "MemoryBreakdown",
+    "PlanResult",
+    "Problem",
+    "Rejection",
+    "evaluate",
+    "lower_bound_memory",
+    "lower_bound_time",
+]
