@@ -290,6 +290,7 @@ def check(settings: TrainSettings) -> None:
         schedule = settings.pipeline.schedule_for(settings.pp, settings.microbatches, flags)
     except OptionError as error:
         raise UsageError(error.flag, error.reason) from None
+    _check_vocab(settings)
     try:
         split_layers(model.num_layers, schedule.num_stages)
     except ValueError as error:
@@ -311,6 +312,28 @@ def check(settings: TrainSettings) -> None:
                 "--pp-seq-slices",
                 f"slices of {list(lengths)} tokens cannot be split over {settings.tp} tensor-parallel "
                 "ranks (sequence parallelism): use fewer slices or a longer --seq-length",
+            )
+
+
+def _check_vocab(settings: TrainSettings) -> None:
+    """``--pp-vocab-parallel`` with what the runtime runs it with (exact against the run without):
+    TP = CP = 1, no checkpoints (they do not hold the vocabulary shards yet), no post-validation.
+    Sliced schedules and offload are refused by the schedule options."""
+    variant = settings.pipeline.vocab_parallel
+    if variant == "none":
+        return
+    refused = (
+        (settings.tp > 1, "--tensor-model-parallel-size > 1"),
+        (settings.cp > 1, "--context-parallel-size > 1"),
+        (settings.save is not None, "--save (checkpoints do not hold the vocabulary shards yet)"),
+        (settings.load is not None, "--load (checkpoints do not hold the vocabulary shards yet)"),
+        (settings.post_validation, "--pp-post-validation"),
+    )
+    for bad, what in refused:
+        if bad:
+            raise UsageError(
+                "--pp-vocab-parallel",
+                f"{variant} is not supported with {what} yet: drop one of them",
             )
 
 
@@ -567,6 +590,26 @@ class TrainJob:
             pipeline_rank,
             sliced=self.schedule.slices > 1,
         )
+        self.vocab = None
+        if settings.pipeline.vocab_parallel != "none":
+            from ..runtime.vocab_ops import setup_vocab_parallel
+
+            # Before DDP: the shard joins chunk 0's parameters (DDP, optimizer, clipping see it).
+            self.vocab = setup_vocab_parallel(
+                chunks,
+                self.schedule.placement,
+                pipeline_rank,
+                self.model_config.vocab_size,
+                self.model_config.hidden_size,
+                settings.pipeline.vocab_parallel,
+                dtype=self.model_config.torch_dtype,
+                device=next(chunks[0].parameters()).device,
+            )
+            self.vocab.vp.load_full(
+                embedding=reference.embedding.word_embeddings.weight.detach(),
+                output=reference.output_layer.weight.detach(),
+            )
+            self.hook.vocab = self.vocab
         del reference
         ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=settings.overlap_grad_reduce,
@@ -764,6 +807,9 @@ class TrainJob:
     def close(self) -> None:
         from megatron.core import parallel_state
 
+        vocab = getattr(self, "vocab", None)
+        if vocab is not None:
+            vocab.vp.close()
         self.hook.uninstall()
         parallel_state.destroy_model_parallel()
 

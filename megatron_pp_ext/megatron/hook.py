@@ -42,6 +42,8 @@ class OptionError(ValueError):
 
 
 REDISTRIBUTION = "--pp-attn-redistribution"
+VOCAB_FLAG = "--pp-vocab-parallel"
+VOCAB_CHOICES = ("none", "vocab-1", "vocab-2")
 
 # Generator flags and the names this adapter gives them on Megatron's command line.
 MEGATRON_FLAGS = {
@@ -72,6 +74,7 @@ class PipelineOptions:
     host_bandwidth: float | None = None  # bytes/s for auto; None: measured
     compute_throughput: float | None = None  # FLOP/s for auto; None: measured
     attn_redistribution: float = 0.0  # SlimPipe's cap on the attention a heavy slice hands away
+    vocab_parallel: str = "none"  # none, vocab-1 or vocab-2 (docs/vocab_parallel.md)
 
     @classmethod
     def from_args(cls, args: Any) -> PipelineOptions:
@@ -90,6 +93,7 @@ class PipelineOptions:
             host_bandwidth=getattr(args, "pp_host_bandwidth", None),
             compute_throughput=getattr(args, "pp_compute_throughput", None),
             attn_redistribution=getattr(args, "pp_attn_redistribution", None) or 0.0,
+            vocab_parallel=getattr(args, "pp_vocab_parallel", None) or "none",
         )
 
     def schedule_for(
@@ -112,10 +116,38 @@ class PipelineOptions:
         if self.slice_partition:
             schedule.meta["partition"] = self.slice_partition
         self.check_redistribution(schedule, flags)
+        schedule = self.with_vocab(schedule)
         if self.offload == "auto":
             self.offload_policy()  # checks the flags; k is known once the model runs
             return schedule
         return self.with_offload(schedule)
+
+    def with_vocab(self, schedule: Schedule) -> Schedule:
+        """``--pp-vocab-parallel``: the schedule with the vocabulary ops (before offload). The
+        runtime runs them for whole sequences without activation offload."""
+        if self.vocab_parallel == "none":
+            return schedule
+        if self.vocab_parallel not in VOCAB_CHOICES:
+            raise OptionError(
+                f"must be one of {', '.join(VOCAB_CHOICES)}, got {self.vocab_parallel!r}", VOCAB_FLAG
+            )
+        if schedule.slices > 1:
+            raise OptionError(
+                f"the runtime does not run vocabulary parallelism with sequence slices yet ({schedule.name} "
+                f"with {schedule.slices} slices): use an unsliced schedule, or --pp-vocab-parallel none",
+                VOCAB_FLAG,
+            )
+        if self.offload != "none":
+            raise OptionError(
+                "the runtime does not run vocabulary parallelism with --pp-offload yet: use one or the other",
+                VOCAB_FLAG,
+            )
+        from ..schedule.vocab import VocabError, add_vocab_passes
+
+        try:
+            return add_vocab_passes(schedule, self.vocab_parallel)
+        except VocabError as error:
+            raise OptionError(str(error), VOCAB_FLAG) from None
 
     def check_redistribution(self, schedule: Schedule, flags: dict[str, str] = MEGATRON_FLAGS) -> None:
         """``--pp-attn-redistribution`` is a share in [0, 1] and needs sequence slices."""
@@ -210,6 +242,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="SlimPipe attention redistribution for sliced schedules: at each step a heavy slice "
         "hands its oldest K/V slices, up to CAP (0..1) of its attention, to a lighter rank (0 = off)",
     )
+    group.add_argument(
+        VOCAB_FLAG,
+        choices=VOCAB_CHOICES,
+        default="none",
+        help="vocabulary parallelism: the embedding and output layer split over the pipeline ranks, "
+        "run as the paper's S/T passes (vocab-1: two barriers, vocab-2: one); see docs/vocab_parallel.md",
+    )
     add_offload_args(parser)
     return parser
 
@@ -239,6 +278,9 @@ class Installed:
         self._patched: list[tuple[Any, str, Any]] = []
         self.last_result: Any = None  # the runtime's StepResult of the last call
         self.last_wait_seconds = 0.0  # time the last call spent blocked on peers
+        # --pp-vocab-parallel: this rank's runtime.vocab_ops.VocabSetup, set before the first step
+        # by whoever built the chunks (setup_vocab_parallel, before DDP wrapping)
+        self.vocab: Any = None
 
     # -- what Megatron calls ------------------------------------------------------------------
 
@@ -324,6 +366,7 @@ class Installed:
                 config.pipeline_dtype or config.params_dtype,
                 config,
                 attn_redistribution=self.options.attn_redistribution,
+                vocab=self.vocab,
             )
         return self._runtimes[key]
 

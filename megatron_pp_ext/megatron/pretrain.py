@@ -72,6 +72,13 @@ def check_args(args: Any) -> None:
     for attribute, flag, instead in REFUSED_FLAGS:
         if getattr(args, attribute, False):
             raise OptionError(f"cannot combine with --pp-schedule {args.pp_schedule}: {instead}", flag)
+    vocab = getattr(args, "pp_vocab_parallel", None) or "none"
+    if vocab != "none":
+        raise OptionError(
+            f"{vocab} is not wired into pretrain_gpt.py yet (its model provider builds the full "
+            "embedding and output layer): run it with `megatron-pp-ext train`, or drop the flag",
+            "--pp-vocab-parallel",
+        )
     pp = args.pipeline_model_parallel_size
     options = _with_megatron_chunks(PipelineOptions.from_args(args), args)
     try:

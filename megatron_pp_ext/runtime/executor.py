@@ -47,6 +47,8 @@ from .p2p import PeerError, PipeComm
 from .redistribution import AttentionCounts, Redistribution, StepRedistribution
 from .slicing import SliceFn, StepSlicing, plan_slices
 from .stage import ForwardStepFunc, LossRecord, StageRunner, deallocate
+from .vocab_ops import FORWARD_KINDS as VOCAB_FORWARD_KINDS
+from .vocab_ops import VocabSetup, VocabStep
 from .weight_grad import WeightGradStore
 
 ShapeFn = Callable[[Op], Sequence[int]]
@@ -78,7 +80,7 @@ def prepare(schedule: Schedule, forward_only: bool = False) -> Schedule:
     if forward_only:
         # Forwards depend only on forwards, so dropping every backward op keeps a valid
         # execution order and the order of every forward channel.
-        keep = (OpKind.F, OpKind.SEND_F, OpKind.RECV_F)
+        keep = (OpKind.F, OpKind.SEND_F, OpKind.RECV_F, *VOCAB_FORWARD_KINDS)
         lowered = lowered.with_ranks([[op for op in ops if op.kind in keep] for ops in lowered.ranks])
     return lowered
 
@@ -92,7 +94,8 @@ class PipelineRuntime:
     RECV op for schedules whose messages differ in shape. ``config`` is the chunks'
     TransformerConfig (``calculate_per_token_loss``, ``grad_scale_func``). ``attn_redistribution``
     is SlimPipe's cap on the attention a heavy slice hands to a partner (0..1, 0 off; sliced
-    schedules only)."""
+    schedules only). ``vocab``: this rank's vocabulary-parallel setup
+    (``vocab_ops.setup_vocab_parallel``), needed by schedules with vocabulary ops."""
 
     def __init__(
         self,
@@ -103,8 +106,10 @@ class PipelineRuntime:
         config: Any = None,
         deallocate_outputs: bool = True,
         attn_redistribution: float = 0.0,
+        vocab: VocabSetup | None = None,
     ) -> None:
         self.chunks = list(chunks)
+        self.vocab = vocab
         self.comm = comm
         self.rank = comm.rank
         self.shape_of = _shape_fn(tensor_shape)
@@ -161,6 +166,19 @@ class PipelineRuntime:
             )
         iterators = self._iterators(data_iterators)
         _check_forward_order(lowered, self.rank)
+        vocab_parallel = schedule.vocab_parallel != "none"  # the lowered forward-only one has no T
+        if vocab_parallel and self.vocab is None:
+            raise ValueError(
+                f"schedule {schedule.name} has {schedule.vocab_parallel} ops: build the PipelineRuntime "
+                "with vocab=setup_vocab_parallel(...)"
+            )
+        if vocab_parallel and self.vocab is not None and self.vocab.variant != schedule.vocab_parallel:
+            raise ValueError(
+                f"schedule {schedule.name} is {schedule.vocab_parallel}, the chunks were set up for "
+                f"{self.vocab.variant}"
+            )
+        if vocab_parallel and self.cp_group is not None:
+            raise ValueError("vocabulary parallelism with context parallelism is not supported")
 
         self.meter = ActivationMeter()
         for chunk in self.chunks:
@@ -180,6 +198,7 @@ class PipelineRuntime:
                 num_slices=lowered.slices,
                 offload=offload,
                 cp_group=self.cp_group,
+                vocab_parallel=vocab_parallel,
             )
             for stage in stages
         }
@@ -198,7 +217,12 @@ class PipelineRuntime:
                 plan, lowered.ranks[self.rank], slicing.contexts, lowered.placement
             )
         sync = GradSync(
-            self.config, self.chunks, lowered.ranks[self.rank], lowered.placement.chunk_index, forward_only
+            self.config,
+            self.chunks,
+            lowered.ranks[self.rank],
+            lowered.placement.chunk_index,
+            forward_only,
+            late_chunks=[self.vocab.chunk_index] if vocab_parallel and self.vocab is not None else (),
         )
         run = _StepRun(
             self,
@@ -212,6 +236,7 @@ class PipelineRuntime:
             slicing=slicing,
             redistribution=redistribution,
             sync=sync,
+            vocab=self.vocab if vocab_parallel else None,
         )
         attention = None
         try:
@@ -226,6 +251,8 @@ class PipelineRuntime:
             self.offload.discard()
             for runner in runners.values():
                 runner.discard()
+            if run.vocab is not None:
+                run.vocab.discard()
             if slicing is not None:
                 slicing.release()
             self.comm.abandon()
@@ -340,6 +367,7 @@ class _StepRun:
         slicing: StepSlicing | None = None,
         redistribution: StepRedistribution | None = None,
         sync: GradSync | None = None,
+        vocab: VocabSetup | None = None,
     ) -> None:
         self.rt = runtime
         self.sync = sync
@@ -358,6 +386,21 @@ class _StepRun:
         self.inbox: dict[tuple[str, int, int, int], tuple[Tensor, Hold]] = {}
         self.outbox: dict[tuple[str, int, int, int], tuple[Tensor, Hold]] = {}
         self.op_count: dict[str, int] = {}
+        self.vocab: VocabStep | None = None
+        if vocab is not None:
+            self.vocab = VocabStep(
+                vocab,
+                schedule,
+                runtime.rank,
+                runners,
+                self.iterators,
+                runtime.meter,
+                self.losses,
+                self._message_shape,
+                self._batch_shape,
+                forward_only=forward_only,
+                collect_non_loss_data=collect_non_loss_data,
+            )
 
     def execute(self) -> None:
         comm = self.rt.comm
@@ -381,9 +424,15 @@ class _StepRun:
                 ) from error
             comm.reap()
         comm.flush()
+        if self.vocab is not None:
+            self.vocab.finish()  # the embedding gradients are in: the shard's chunk may sync now
+            if self.sync is not None:
+                self.sync.after(self.sync.end)
         if self.sync is not None:
             self.sync.finish()
         leftovers = [item for runner in self.runners.values() for item in runner.leftover()]
+        if self.vocab is not None:
+            leftovers += self.vocab.leftover()
         leftovers += [f"unused message {key}" for key in self.inbox] + [
             f"unsent output {key}" for key in self.outbox
         ]
@@ -412,6 +461,8 @@ class _StepRun:
             self.rt.offload.offload(op.unit)
         elif kind == OpKind.RELOAD:
             self.rt.offload.reload(op.unit)
+        elif op.is_vocab and self.vocab is not None:
+            self.vocab.run(op)
         else:
             raise PipelineError(f"rank {self.rt.rank}: unknown op {op}")
 
@@ -426,6 +477,11 @@ class _StepRun:
                 "parallel)"
             )
         return (sequence // share, *rest)
+
+    def _batch_shape(self, op: Op) -> tuple[int, int]:
+        """[b, s] of the op's unit (token ids, labels), from the activation shape [s, b, h]."""
+        sequence, batch, *_ = self.shape_of(op)
+        return int(batch), int(sequence)
 
     def _take(self, direction: str, stage: int, op: Op) -> Tensor:
         item = self.inbox.pop((direction, stage, op.microbatch, op.slice), None)
@@ -454,6 +510,7 @@ class _StepRun:
     def _forward(self, op: Op) -> None:
         runner = self.runners[op.stage]
         input_tensor = None if runner.is_first else self._take("F", op.stage, op)
+        fed = self.vocab.embedding(op) if self.vocab is not None and runner.is_first else None
         chunk_index = self.schedule.placement.chunk_index(op.stage)
         with self.slicing.running(chunk_index, op) if self.slicing else nullcontext(), self._attention(op):
             output = runner.forward(
@@ -465,20 +522,29 @@ class _StepRun:
                 self.losses,
                 self.forward_only,
                 self.collect_non_loss_data,
+                fed_input=fed,
             )
         if output is None:
             return
         handoff = output.detach()
         if self.rt.deallocate_outputs and not self.forward_only:
             deallocate(output)
-        self._emit("F", op.stage + 1, op, handoff)
+        if runner.is_last and self.vocab is not None:
+            self.vocab.take_output(op, handoff)  # for BCAST_X: the output layer runs as S and T
+        else:
+            self._emit("F", op.stage + 1, op, handoff)
 
     def _backward(self, op: Op, split: bool) -> None:
         runner = self.runners[op.stage]
-        output_grad = None if runner.is_last else self._take("B", op.stage, op)
+        if runner.is_last:
+            output_grad = self.vocab.output_grad(op) if self.vocab is not None else None
+        else:
+            output_grad = self._take("B", op.stage, op)
         with self._attention(op):
             input_grad = runner.backward((op.microbatch, op.slice), output_grad, split)
         if not runner.is_first:
             if input_grad is None:
                 raise PipelineError(f"rank {self.rt.rank}: {op} produced no input gradient")
             self._emit("B", op.stage - 1, op, input_grad)
+        elif self.vocab is not None:
+            self.vocab.embedding_grad(op, input_grad)

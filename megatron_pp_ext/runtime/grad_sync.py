@@ -44,7 +44,12 @@ class GradSync:
         ops: Sequence[Op],
         chunk_of: Callable[[int], int],
         forward_only: bool = False,
+        late_chunks: Sequence[int] = (),
     ) -> None:
+        """``late_chunks``: chunks whose gradients are complete only after the whole op list (the
+        one holding the vocabulary-parallel shards, whose embedding gradient lands when the step's
+        last BCAST_DEMB completes); they act at position ``len(ops)``, which the executor passes
+        to :meth:`after` once those gradients are in."""
         self.chunks = list(chunks)
         count = len(self.chunks)
         no_sync = getattr(config, "no_sync_func", None)
@@ -68,6 +73,9 @@ class GradSync:
                 last_weight[chunk] = position
             elif chunk not in first_forward:
                 first_forward[chunk] = position
+        for chunk in late_chunks:
+            last_weight[chunk] = len(ops)
+        self.end = len(ops)
         # position -> slots whose chunks are all done (or whose first forward is) at that op
         self._release = _positions(no_sync_slots, last_weight, max)
         self._grad_start = _positions(grad_sync_slots, last_weight, max)

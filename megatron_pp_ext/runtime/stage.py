@@ -88,8 +88,12 @@ class StageRunner:
         num_slices: int = 1,
         offload: OffloadEngine | None = None,
         cp_group: Any = None,
+        vocab_parallel: bool = False,
     ) -> None:
-        """``cp_group``: the context-parallel group (None: no CP), for the loss normalisation."""
+        """``cp_group``: the context-parallel group (None: no CP), for the loss normalisation.
+        ``vocab_parallel``: the output layer and loss run as the schedule's vocabulary ops, so a
+        last stage's output is its final hidden state, its backward takes the output gradient
+        like a middle stage, and its ``loss_func`` is kept (``loss_funcs``) for the report."""
         self.chunk = chunk
         self.cp_group = cp_group
         self.cp_size = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
@@ -98,6 +102,8 @@ class StageRunner:
         self.stage = stage
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
+        self.computes_loss = self.is_last and not vocab_parallel
+        self.loss_funcs: dict[Key, Callable[..., Any] | None] = {}  # vocabulary parallel: F -> report
         self.config = config
         self.meter = meter
         self.store = store
@@ -119,12 +125,19 @@ class StageRunner:
         losses: LossRecord,
         forward_only: bool = False,
         collect_non_loss_data: bool = False,
+        fed_input: Tensor | None = None,
     ) -> Tensor | None:
         """Run the forward of ``key``; return the output to hand to the next stage (None on the
-        last stage)."""
-        if input_tensor is not None and not forward_only:
+        last stage, unless the loss is vocabulary parallel). ``fed_input``: a leaf the chunk
+        reads by other means (the vocabulary-parallel word embedding), kept as the unit's input
+        so that its backward returns the leaf's gradient."""
+        if fed_input is not None:
+            input_tensor = fed_input
+        elif input_tensor is not None and not forward_only:
             input_tensor = input_tensor.detach().requires_grad_(True)
-        get_attr_wrapped_model(self.chunk, "set_input_tensor")(input_tensor)
+        get_attr_wrapped_model(self.chunk, "set_input_tensor")(
+            None if fed_input is not None else input_tensor
+        )
         if forward_only:
             with torch.no_grad():
                 output, loss_func = forward_step_func(data_iterator, self.chunk)
@@ -132,7 +145,9 @@ class StageRunner:
             with saving(self.offload, self.meter, (self.stage, *key), input_tensor) as input_hold:
                 output, loss_func = forward_step_func(data_iterator, self.chunk)
         normalise = None
-        if self.is_last and self.num_slices > 1:
+        if self.is_last and not self.computes_loss:
+            self.loss_funcs[key] = loss_func
+        elif self.is_last and self.num_slices > 1:
             output, normalise = self._slice_loss(
                 key, output, loss_func, num_microbatches, losses, collect_non_loss_data
             )
@@ -140,7 +155,57 @@ class StageRunner:
             output = self._loss(key[0], output, loss_func, num_microbatches, losses, collect_non_loss_data)
         if not forward_only:
             self._units[key] = _Unit(input_tensor, output, [input_hold], normalise)
-        return None if self.is_last else output
+        return None if self.computes_loss else output
+
+    def _normalise(self, result: Any, num_microbatches: int) -> tuple[Any, Any, Any]:
+        """Megatron's normalisation of ``loss_func``'s result: (loss, token count or None, report)."""
+        if len(result) == 3:
+            loss, num_tokens, reduced = result
+            if not getattr(self.config, "calculate_per_token_loss", False):
+                if self.cp_group is None:
+                    loss /= torch.clamp(num_tokens, min=1)
+                else:
+                    loss /= torch.clamp(tokens_on_all_cp_ranks(num_tokens, self.cp_group, loss.device), min=1)
+                    loss *= self.cp_size  # DDP averages over DP x CP
+                loss /= num_microbatches
+            return loss, num_tokens, reduced
+        loss, reduced = result
+        loss *= self.cp_size  # Megatron's legacy form: a local average
+        loss /= num_microbatches
+        return loss, None, reduced
+
+    def loss_gradient(
+        self,
+        loss_func: Callable[..., Any],
+        batch_shape: Sequence[int],
+        dtype: torch.dtype,
+        device: Any,
+        num_microbatches: int,
+    ) -> Tensor:
+        """g = dLoss/dloss_token [b, s], through ``loss_func``, Megatron's normalisation and the
+        grad scale, for vocabulary parallelism (S and T need it before the loss exists). Megatron's
+        loss is linear in the per-token losses, so the gradient at zero is the gradient."""
+        probe = torch.zeros(tuple(batch_shape), dtype=dtype, device=device, requires_grad=True)
+        with torch.enable_grad():
+            loss, _, _ = self._normalise(loss_func(probe), num_microbatches)
+            scale = getattr(self.config, "grad_scale_func", None)
+            if scale is not None:
+                loss = scale(loss)
+            (grad,) = torch.autograd.grad(loss, probe, allow_unused=True)
+        return torch.zeros_like(probe) if grad is None else grad.detach()
+
+    def report_loss(
+        self,
+        key: Key,
+        per_token: Tensor,
+        num_microbatches: int,
+        losses: LossRecord,
+        collect_non_loss_data: bool = False,
+    ) -> None:
+        """Vocabulary parallel: the unit's loss report from the per-token losses that REDUCE_S
+        gave, through the ``loss_func`` its forward returned (as :meth:`_loss` does)."""
+        loss_func = self.loss_funcs.pop(key)
+        self._loss(key[0], per_token, loss_func, num_microbatches, losses, collect_non_loss_data)
 
     def _loss(
         self,
@@ -159,21 +224,9 @@ class StageRunner:
         if collect_non_loss_data:
             losses.outputs[microbatch] = loss_func(output, non_loss_data=True)
             return output
-        result = loss_func(output)
-        if len(result) == 3:
-            loss, num_tokens, reduced = result
-            if not getattr(self.config, "calculate_per_token_loss", False):
-                if self.cp_group is None:
-                    loss /= torch.clamp(num_tokens, min=1)
-                else:
-                    loss /= torch.clamp(tokens_on_all_cp_ranks(num_tokens, self.cp_group, loss.device), min=1)
-                    loss *= self.cp_size  # DDP averages over DP x CP
-                loss /= num_microbatches
+        loss, num_tokens, reduced = self._normalise(loss_func(output), num_microbatches)
+        if num_tokens is not None:
             losses.num_tokens = losses.num_tokens + num_tokens
-        else:
-            loss, reduced = result
-            loss *= self.cp_size  # Megatron's legacy form: a local average
-            loss /= num_microbatches
         losses.outputs[microbatch] = reduced
         return loss
 
@@ -213,7 +266,7 @@ class StageRunner:
 
     def _output_and_grad(self, unit: _Unit, output_grad: Tensor | None) -> tuple[Tensor, Tensor | None]:
         output = unit.output
-        if self.is_last:
+        if self.computes_loss:
             if unit.normalise is not None:
                 output = unit.normalise(output)
             scale = getattr(self.config, "grad_scale_func", None)
@@ -254,9 +307,11 @@ class StageRunner:
 
     def leftover(self) -> list[str]:
         """Units still stashed or with pending weight gradients (should be none after a step)."""
-        return [f"stage {self.stage} unit {k} has no backward yet" for k in self._units] + [
-            f"stage {self.stage} unit {k} has no W yet" for k in self.store.pending()
-        ]
+        return (
+            [f"stage {self.stage} unit {k} has no backward yet" for k in self._units]
+            + [f"stage {self.stage} unit {k} has no W yet" for k in self.store.pending()]
+            + [f"stage {self.stage} unit {k} has no loss report yet" for k in self.loss_funcs]
+        )
 
     def discard(self) -> None:
         """Drop everything held (after a failed step)."""
@@ -264,4 +319,5 @@ class StageRunner:
             for hold in unit.holds:
                 hold.release()
         self._units.clear()
+        self.loss_funcs.clear()
         self.store.clear()

@@ -306,7 +306,9 @@ class VocabParallel(torch.nn.Module):
     ``LanguageModelEmbedding`` asks under SP without learned positions
     (``embedding.reduce_scatter_embeddings``); else it is [b, s, h]. ``tied``: one weight for
     both sides (rank r's embedding rows are its output rows). Without ``groups`` the constructor
-    creates them (:meth:`VocabGroups.create`: collective over the world).
+    creates them (:meth:`VocabGroups.create`: collective over the world). ``loss_rank``: the
+    pipeline rank of the last stage (default the last rank; 0 for V-shape placements), the root
+    of BCAST_X and the destination of the input-gradient reduce.
     """
 
     def __init__(
@@ -323,6 +325,7 @@ class VocabParallel(torch.nn.Module):
         groups: VocabGroups | None = None,
         divisible_by: int = 1,
         init_method: Callable[[Tensor], Any] | None = None,
+        loss_rank: int | None = None,
     ) -> None:
         super().__init__()
         if variant not in VARIANTS:
@@ -347,7 +350,10 @@ class VocabParallel(torch.nn.Module):
             self.groups.tp_rank,
             divisible_by,
         )
-        self.last = self.groups.pp_size - 1  # the loss rank: the last stage's pipeline rank
+        # The loss rank: the pipeline rank of the last stage (rank 0 for V-shape placements).
+        self.last = self.groups.pp_size - 1 if loss_rank is None else int(loss_rank)
+        if not 0 <= self.last < self.groups.pp_size:
+            raise ValueError(f"loss_rank {loss_rank} is not a pipeline rank (0..{self.groups.pp_size - 1})")
         device = torch.device(device) if device is not None else _default_device()
         rows = self.partition.rows_per_shard
         self.embedding_weight = torch.nn.Parameter(torch.zeros(rows, hidden_size, dtype=dtype, device=device))

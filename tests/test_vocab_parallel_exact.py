@@ -1,0 +1,198 @@
+"""Vocabulary-parallel schedules (``add_vocab_passes``) run by the executor on real gloo processes
+equal the unpartitioned single-process model: the loss of every microbatch, every gradient of the
+stages' layers, and the vocabulary shards' gradients gathered (``gather_full(..., grad=True)``)
+against the reference's word-embedding and output-layer gradients. Then a forward-only step of the
+same schedule gives the same losses. One launch per pipeline size runs every case in turn
+(process start-up dominates on two cores).
+
+Run with ``-s`` to print the errors measured.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from dist_utils import check_ok, run_ranks
+from runtime_case import forward_step, loss_values, make_batches, rel_error, tiny_model
+
+TOLERANCE = 1e-5
+VARIANTS = ("vocab-1", "vocab-2")
+# pipeline size -> (microbatches, schedules); m is not a multiple of p
+CASES = {2: (3, ("1f1b", "zb-h1", "v-half")), 3: (4, ("1f1b", "zb-h1", "v-half"))}
+
+
+def _vocab_schedule(name: str, pp: int, microbatches: int, variant: str):
+    from megatron_pp_ext.schedule.generators import generate
+    from megatron_pp_ext.schedule.vocab import add_vocab_passes
+
+    return add_vocab_passes(generate(name, pp, microbatches), variant)
+
+
+def vocab_worker(rank: int, world: int, microbatches: int, names: tuple[str, ...]) -> dict:
+    from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
+    from megatron_pp_ext.runtime.executor import PipelineRuntime
+    from megatron_pp_ext.runtime.p2p import PipeComm
+    from megatron_pp_ext.runtime.reference import reference_step
+    from megatron_pp_ext.runtime.vocab_ops import setup_vocab_parallel
+    from megatron_pp_ext.runtime.vocab_parallel import VocabGroups
+
+    init_parallel_state(world)
+    model_cfg = tiny_model(num_layers=2 * world + 1)
+    comm = PipeComm(timeout_s=60)
+    groups = VocabGroups.create()  # one set of channel groups for every case of this launch
+    torch.manual_seed(1234)
+    reference = build_reference(model_cfg)
+    batches = make_batches(model_cfg, microbatches, seed=11)
+    ref_losses = loss_values(reference_step(reference, forward_step, iter(batches), microbatches))
+    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+    shape = (model_cfg.seq_length, 2, model_cfg.hidden_size)
+    report: dict[str, dict] = {}
+    for name in names:
+        for variant in VARIANTS:
+            entry: dict = {}
+            report[f"{name}/{variant}"] = entry
+            try:
+                schedule = _vocab_schedule(name, world, microbatches, variant)
+                chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, rank)
+                setup = setup_vocab_parallel(
+                    chunks,
+                    schedule.placement,
+                    rank,
+                    model_cfg.vocab_size,
+                    model_cfg.hidden_size,
+                    variant,
+                    dtype=model_cfg.torch_dtype,
+                    device="cpu",
+                    groups=groups,
+                )
+                setup.vp.load_full(
+                    embedding=reference.embedding.word_embeddings.weight.detach(),
+                    output=reference.output_layer.weight.detach(),
+                )
+                runtime = PipelineRuntime(chunks, comm, shape, model_cfg.torch_dtype, vocab=setup)
+                result = runtime.step(schedule, forward_step, [iter(batches) for _ in chunks])
+                layers = [p for c in chunks for p in c.parameters() if id(p) in names_of]
+                entry["missing"] = [names_of[id(p)] for p in layers if p.grad is None]
+                errors = {names_of[id(p)]: rel_error(p.grad, ref_grads[names_of[id(p)]]) for p in layers}
+                errors["vocab embedding"] = rel_error(
+                    setup.vp.gather_full("embedding", grad=True),
+                    ref_grads["embedding.word_embeddings.weight"],
+                )
+                errors["vocab output"] = rel_error(
+                    setup.vp.gather_full("output", grad=True), ref_grads["output_layer.weight"]
+                )
+                entry["grad_errors"] = errors
+                entry["is_loss_rank"] = result.is_loss_rank
+                if result.is_loss_rank:
+                    losses = loss_values(result.losses)
+                    entry["loss_count"] = len(losses)
+                    entry["loss_error"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+                evaluated = runtime.step(
+                    schedule, forward_step, [iter(batches) for _ in chunks], forward_only=True
+                )
+                if result.is_loss_rank:
+                    values = loss_values(evaluated.losses)
+                    entry["eval_count"] = len(values)
+                    entry["eval_error"] = max(abs(a - b) / abs(b) for a, b in zip(values, ref_losses))
+                setup.vp.close()
+            except Exception as error:  # report, do not stop the other cases
+                import traceback
+
+                entry["error"] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}"
+    return report
+
+
+@functools.cache
+def _launch(world: int) -> tuple:
+    microbatches, names = CASES[world]
+    return tuple(check_ok(run_ranks(vocab_worker, world, microbatches, names, timeout=120)))
+
+
+def _check(world: int, name: str, variant: str) -> None:
+    reports = [r[f"{name}/{variant}"] for r in _launch(world)]
+    errors = [f"rank {rank}: {r['error']}" for rank, r in enumerate(reports) if "error" in r]
+    assert not errors, "\n".join(errors)
+    worst_all = 0.0
+    for rank, r in enumerate(reports):
+        assert not r["missing"], f"rank {rank}: no gradient for {r['missing']}"
+        worst = max(r["grad_errors"].items(), key=lambda kv: kv[1])
+        worst_all = max(worst_all, worst[1])
+        assert worst[1] < TOLERANCE, f"rank {rank}: gradient of {worst[0]} off by {worst[1]:.3g}"
+    loss_ranks = [r for r in reports if r["is_loss_rank"]]
+    assert len(loss_ranks) == 1
+    loss = loss_ranks[0]
+    assert loss["loss_count"] == loss["eval_count"] == CASES[world][0]
+    assert loss["loss_error"] < TOLERANCE and loss["eval_error"] < TOLERANCE
+    print(
+        f"p={world} {name} {variant}: max grad rel error {worst_all:.2e}, loss {loss['loss_error']:.2e}, "
+        f"forward-only loss {loss['eval_error']:.2e}"
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", CASES[2][1])
+def test_vocab_parallel_exact_p2(name: str, variant: str) -> None:
+    _check(2, name, variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", CASES[3][1])
+def test_vocab_parallel_exact_p3(name: str, variant: str) -> None:
+    _check(3, name, variant)
+
+
+# ---- megatron-pp-ext train --pp-vocab-parallel ------------------------------------------------
+
+
+def _train(*args: str, timeout: float = 300):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_pp_ext", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+        (["--pp-schedule", "seq1f1b", "--pp-seq-slices", "2"], "sequence slices"),
+    ],
+)
+def test_train_refuses_what_the_runtime_does_not_run(args: list[str], words: str) -> None:
+    done = _train("--pp-vocab-parallel", "vocab-1", *args, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "--pp-vocab-parallel" in last and words in last, last
+    assert "train:" not in done.stdout
+
+
+@pytest.mark.slow
+def test_train_with_vocab_parallelism_gives_the_same_losses(tmp_path) -> None:
+    """2 iterations at PP=2: vocab-1 with 1F1B and vocab-2 with V-Half against 1F1B without."""
+    import json
+
+    common = ["--pipeline-model-parallel-size", "2", "--train-iters", "2", "--global-batch-size", "8"]
+    runs = {
+        "none": ["--pp-schedule", "1f1b"],
+        "vocab-1": ["--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-1"],
+        "vocab-2-vhalf": ["--pp-schedule", "v-half", "--pp-vocab-parallel", "vocab-2"],
+    }
+    losses = {}
+    for name, extra in runs.items():
+        metrics = tmp_path / f"{name}.jsonl"
+        done = _train(*common, "--num-layers", "4", *extra, "--metrics", str(metrics), timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses["none"]) == 2
+    for name in ("vocab-1", "vocab-2-vhalf"):
+        for got, want in zip(losses[name], losses["none"], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (name, losses)
