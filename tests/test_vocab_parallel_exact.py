@@ -21,6 +21,7 @@ TOLERANCE = 1e-5
 VARIANTS = ("vocab-1", "vocab-2")
 # pipeline size -> (microbatches, schedules); m is not a multiple of p
 CASES = {2: (3, ("1f1b", "zb-h1", "v-half")), 3: (4, ("1f1b", "zb-h1", "v-half"))}
+TP_CASE = (3, ("1f1b", "v-half"))  # TP = 2 x PP = 2, with and without sequence parallelism
 
 
 def _vocab_schedule(name: str, pp: int, microbatches: int, variant: str):
@@ -30,88 +31,137 @@ def _vocab_schedule(name: str, pp: int, microbatches: int, variant: str):
     return add_vocab_passes(generate(name, pp, microbatches), variant)
 
 
-def vocab_worker(rank: int, world: int, microbatches: int, names: tuple[str, ...]) -> dict:
-    from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
-    from megatron_pp_ext.runtime.executor import PipelineRuntime
+def vocab_worker(
+    rank: int, world: int, microbatches: int, names: tuple[str, ...], tp: int = 1, sp_modes: tuple = (False,)
+) -> dict:
+    """Every case of one launch; at TP > 1 the reference and chunks hold Megatron's TP shards, the
+    vocabulary shard is loaded from them (``load_tp_shards``) and each TP rank checks its rows."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+
+    from megatron_pp_ext.megatron.model import build_reference, init_parallel_state
     from megatron_pp_ext.runtime.p2p import PipeComm
     from megatron_pp_ext.runtime.reference import reference_step
-    from megatron_pp_ext.runtime.vocab_ops import setup_vocab_parallel
     from megatron_pp_ext.runtime.vocab_parallel import VocabGroups
 
-    init_parallel_state(world)
-    model_cfg = tiny_model(num_layers=2 * world + 1)
-    comm = PipeComm(timeout_s=60)
-    groups = VocabGroups.create()  # one set of channel groups for every case of this launch
-    torch.manual_seed(1234)
-    reference = build_reference(model_cfg)
-    batches = make_batches(model_cfg, microbatches, seed=11)
-    ref_losses = loss_values(reference_step(reference, forward_step, iter(batches), microbatches))
-    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
-    shape = (model_cfg.seq_length, 2, model_cfg.hidden_size)
-    report: dict[str, dict] = {}
-    for name in names:
-        for variant in VARIANTS:
-            entry: dict = {}
-            report[f"{name}/{variant}"] = entry
-            try:
-                schedule = _vocab_schedule(name, world, microbatches, variant)
-                chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, rank)
-                setup = setup_vocab_parallel(
-                    chunks,
-                    schedule.placement,
-                    rank,
-                    model_cfg.vocab_size,
-                    model_cfg.hidden_size,
-                    variant,
-                    dtype=model_cfg.torch_dtype,
-                    device="cpu",
-                    groups=groups,
-                )
-                setup.vp.load_full(
-                    embedding=reference.embedding.word_embeddings.weight.detach(),
-                    output=reference.output_layer.weight.detach(),
-                )
-                runtime = PipelineRuntime(chunks, comm, shape, model_cfg.torch_dtype, vocab=setup)
-                result = runtime.step(schedule, forward_step, [iter(batches) for _ in chunks])
-                layers = [p for c in chunks for p in c.parameters() if id(p) in names_of]
-                entry["missing"] = [names_of[id(p)] for p in layers if p.grad is None]
-                errors = {names_of[id(p)]: rel_error(p.grad, ref_grads[names_of[id(p)]]) for p in layers}
-                errors["vocab embedding"] = rel_error(
-                    setup.vp.gather_full("embedding", grad=True),
-                    ref_grads["embedding.word_embeddings.weight"],
-                )
-                errors["vocab output"] = rel_error(
-                    setup.vp.gather_full("output", grad=True), ref_grads["output_layer.weight"]
-                )
-                entry["grad_errors"] = errors
-                entry["is_loss_rank"] = result.is_loss_rank
-                if result.is_loss_rank:
-                    losses = loss_values(result.losses)
-                    entry["loss_count"] = len(losses)
-                    entry["loss_error"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-                evaluated = runtime.step(
-                    schedule, forward_step, [iter(batches) for _ in chunks], forward_only=True
-                )
-                if result.is_loss_rank:
-                    values = loss_values(evaluated.losses)
-                    entry["eval_count"] = len(values)
-                    entry["eval_error"] = max(abs(a - b) / abs(b) for a, b in zip(values, ref_losses))
-                setup.vp.close()
-            except Exception as error:  # report, do not stop the other cases
-                import traceback
+    pp = world // tp
+    if tp > 1:
+        from megatron_pp_ext.megatron import cpu_shim
 
-                entry["error"] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}"
+        cpu_shim.install()  # Megatron's TP layers ask for torch.cuda.current_device()
+    init_parallel_state(pp, tp)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pipeline = torch.distributed.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    comm = PipeComm(ranks=pipeline, timeout_s=60)
+    groups = VocabGroups.create()  # one set of channel groups for every case of this launch
+    report: dict[str, dict] = {}
+    for sequence_parallel in sp_modes:
+        model_cfg = tiny_model(num_layers=2 * pp + 1)
+        if sequence_parallel:
+            model_cfg = dataclasses.replace(model_cfg, extra={**model_cfg.extra, "sequence_parallel": True})
+        torch.manual_seed(1234)
+        reference = build_reference(model_cfg)
+        batches = make_batches(model_cfg, microbatches, seed=11)
+        ref_losses = loss_values(reference_step(reference, forward_step, iter(batches), microbatches))
+        ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+        rows = model_cfg.vocab_size // tp  # this TP rank's rows of Megatron's tables
+        case = {
+            "model": model_cfg,
+            "reference": reference,
+            "batches": batches,
+            "losses": ref_losses,
+            "grads": ref_grads,
+            "rows": slice(tp_rank * rows, (tp_rank + 1) * rows),
+            "pp": pp,
+            "pp_rank": pp_rank,
+            "comm": comm,
+            "groups": groups,
+            "sequence_parallel": sequence_parallel,
+        }
+        for name in names:
+            for variant in VARIANTS:
+                entry: dict = {}
+                report[_case(name, variant, sequence_parallel)] = entry
+                try:
+                    _run_case(entry, name, variant, case)
+                except Exception as error:  # report, do not stop the other cases
+                    import traceback
+
+                    entry["error"] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}"
     return report
 
 
+def _case(name: str, variant: str, sequence_parallel: bool = False) -> str:
+    return f"{name}/{variant}" + ("/sp" if sequence_parallel else "")
+
+
+def _run_case(entry: dict, name: str, variant: str, case: dict) -> None:
+    """One schedule and variant against the reference, into ``entry``."""
+    from megatron_pp_ext.megatron.model import build_chunks_from
+    from megatron_pp_ext.runtime.executor import PipelineRuntime
+    from megatron_pp_ext.runtime.vocab_ops import setup_vocab_parallel
+
+    model_cfg, reference, batches = case["model"], case["reference"], case["batches"]
+    ref_losses, ref_grads, mine, rank = case["losses"], case["grads"], case["rows"], case["pp_rank"]
+    microbatches = len(batches)
+    schedule = _vocab_schedule(name, case["pp"], microbatches, variant)
+    chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, rank)
+    setup = setup_vocab_parallel(
+        chunks,
+        schedule.placement,
+        rank,
+        model_cfg.vocab_size,
+        model_cfg.hidden_size,
+        variant,
+        dtype=model_cfg.torch_dtype,
+        device="cpu",
+        groups=case["groups"],
+        sequence_parallel=case["sequence_parallel"],
+    )
+    setup.vp.load_tp_shards(
+        embedding=reference.embedding.word_embeddings.weight.detach(),
+        output=reference.output_layer.weight.detach(),
+    )
+    shape = (model_cfg.seq_length, 2, model_cfg.hidden_size)
+    runtime = PipelineRuntime(chunks, case["comm"], shape, model_cfg.torch_dtype, vocab=setup)
+    result = runtime.step(schedule, forward_step, [iter(batches) for _ in chunks])
+    layers = [p for c in chunks for p in c.parameters() if id(p) in names_of]
+    entry["missing"] = [names_of[id(p)] for p in layers if p.grad is None]
+    errors = {names_of[id(p)]: rel_error(p.grad, ref_grads[names_of[id(p)]]) for p in layers}
+    errors["vocab embedding"] = rel_error(
+        setup.vp.gather_full("embedding", grad=True)[mine], ref_grads["embedding.word_embeddings.weight"]
+    )
+    errors["vocab output"] = rel_error(
+        setup.vp.gather_full("output", grad=True)[mine], ref_grads["output_layer.weight"]
+    )
+    entry["grad_errors"] = errors
+    entry["is_loss_rank"] = result.is_loss_rank
+    if result.is_loss_rank:
+        losses = loss_values(result.losses)
+        entry["loss_count"] = len(losses)
+        entry["loss_error"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    evaluated = runtime.step(schedule, forward_step, [iter(batches) for _ in chunks], forward_only=True)
+    if result.is_loss_rank:
+        values = loss_values(evaluated.losses)
+        entry["eval_count"] = len(values)
+        entry["eval_error"] = max(abs(a - b) / abs(b) for a, b in zip(values, ref_losses))
+    setup.vp.close()
+
+
 @functools.cache
-def _launch(world: int) -> tuple:
+def _launch(world: int, tp: int = 1) -> tuple:
+    if tp > 1:
+        microbatches, names = TP_CASE
+        found = run_ranks(vocab_worker, world, microbatches, names, tp, (False, True), timeout=300)
+        return tuple(check_ok(found))
     microbatches, names = CASES[world]
     return tuple(check_ok(run_ranks(vocab_worker, world, microbatches, names, timeout=120)))
 
 
-def _check(world: int, name: str, variant: str) -> None:
-    reports = [r[f"{name}/{variant}"] for r in _launch(world)]
+def _check(world: int, name: str, variant: str, tp: int = 1, sequence_parallel: bool = False) -> None:
+    reports = [r[_case(name, variant, sequence_parallel)] for r in _launch(world, tp)]
     errors = [f"rank {rank}: {r['error']}" for rank, r in enumerate(reports) if "error" in r]
     assert not errors, "\n".join(errors)
     worst_all = 0.0
@@ -121,13 +171,17 @@ def _check(world: int, name: str, variant: str) -> None:
         worst_all = max(worst_all, worst[1])
         assert worst[1] < TOLERANCE, f"rank {rank}: gradient of {worst[0]} off by {worst[1]:.3g}"
     loss_ranks = [r for r in reports if r["is_loss_rank"]]
-    assert len(loss_ranks) == 1
-    loss = loss_ranks[0]
-    assert loss["loss_count"] == loss["eval_count"] == CASES[world][0]
-    assert loss["loss_error"] < TOLERANCE and loss["eval_error"] < TOLERANCE
+    assert len(loss_ranks) == tp  # the TP ranks of the last stage
+    microbatches = TP_CASE[0] if tp > 1 else CASES[world][0]
+    for loss in loss_ranks:
+        assert loss["loss_count"] == loss["eval_count"] == microbatches
+        assert loss["loss_error"] < TOLERANCE and loss["eval_error"] < TOLERANCE
+    loss_error = max(r["loss_error"] for r in loss_ranks)
+    eval_error = max(r["eval_error"] for r in loss_ranks)
+    where = f"tp={tp}{' sp' if sequence_parallel else ''} " if tp > 1 else ""
     print(
-        f"p={world} {name} {variant}: max grad rel error {worst_all:.2e}, loss {loss['loss_error']:.2e}, "
-        f"forward-only loss {loss['eval_error']:.2e}"
+        f"{where}p={world // tp} {name} {variant}: max grad rel error {worst_all:.2e}, loss "
+        f"{loss_error:.2e}, forward-only loss {eval_error:.2e}"
     )
 
 
@@ -141,6 +195,16 @@ def test_vocab_parallel_exact_p2(name: str, variant: str) -> None:
 @pytest.mark.parametrize("name", CASES[3][1])
 def test_vocab_parallel_exact_p3(name: str, variant: str) -> None:
     _check(3, name, variant)
+
+
+@pytest.mark.slow
+def test_vocab_parallel_exact_tp2_pp2() -> None:
+    """4 processes, one launch: both variants, 1F1B and V-Half, with and without SP; the shards
+    are set up from Megatron's TP-sharded tables."""
+    for sequence_parallel in (False, True):
+        for name in TP_CASE[1]:
+            for variant in VARIANTS:
+                _check(4, name, variant, tp=2, sequence_parallel=sequence_parallel)
 
 
 # ---- megatron-pp-ext train --pp-vocab-parallel ------------------------------------------------
@@ -163,7 +227,7 @@ def _train(*args: str, timeout: float = 300):
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+        (["--context-parallel-size", "2"], "--context-parallel-size"),
         (["--pp-schedule", "seq1f1b", "--pp-seq-slices", "2"], "sequence slices"),
     ],
 )

@@ -317,13 +317,13 @@ def check(settings: TrainSettings) -> None:
 
 def _check_vocab(settings: TrainSettings) -> None:
     """``--pp-vocab-parallel`` with what the runtime runs it with (exact against the run without):
-    TP = CP = 1, no checkpoints (they do not hold the vocabulary shards yet), no post-validation.
-    Sliced schedules and offload are refused by the schedule options."""
+    CP = 1 (TP and sequence parallelism are fine), no checkpoints (they do not hold the vocabulary
+    shards yet), no post-validation. Sliced schedules and offload are refused by the schedule
+    options."""
     variant = settings.pipeline.vocab_parallel
     if variant == "none":
         return
     refused = (
-        (settings.tp > 1, "--tensor-model-parallel-size > 1"),
         (settings.cp > 1, "--context-parallel-size > 1"),
         (settings.save is not None, "--save (checkpoints do not hold the vocabulary shards yet)"),
         (settings.load is not None, "--load (checkpoints do not hold the vocabulary shards yet)"),
@@ -604,8 +604,10 @@ class TrainJob:
                 settings.pipeline.vocab_parallel,
                 dtype=self.model_config.torch_dtype,
                 device=next(chunks[0].parameters()).device,
+                sequence_parallel=settings.sequence_parallel,
             )
-            self.vocab.vp.load_full(
+            # The reference holds this TP rank's Megatron shard of the tables (all of them at TP=1).
+            self.vocab.vp.load_tp_shards(
                 embedding=reference.embedding.word_embeddings.weight.detach(),
                 output=reference.output_layer.weight.detach(),
             )

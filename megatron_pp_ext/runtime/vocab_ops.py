@@ -362,6 +362,10 @@ class VocabStep:
             else:
                 keep.append((pending, holds))
         self._unwaited = keep
+        if self.vp.scatter_embeddings:
+            # BCAST_DEMB's result is gathered over TP at wait: a wait when it happens to complete
+            # would order that TP collective differently on the TP ranks (deadlock): finish() does it.
+            return
         while self._demb and _completed(self._demb[0][0]) and _completed(self._demb[0][1]):
             ids, grad = self._demb.pop(0)
             self.vp.e_backward(ids.wait(), grad.wait())

@@ -406,6 +406,28 @@ class VocabParallel(torch.nn.Module):
         if output is not None and not self.tied:
             self._load(self.output_weight, output)
 
+    @torch.no_grad()
+    def load_tp_shards(self, embedding: Tensor | None = None, output: Tensor | None = None) -> None:
+        """Copy this shard's rows from Megatron's TP shards of the tables (this TP rank's
+        contiguous 1/TP of the rows, ``VocabParallelEmbedding`` / ``ColumnParallelLinear``): they
+        are gathered over the pipeline rank's TP group first, since the vocabulary-parallel rows of
+        (pp, tp) lie in another TP rank's Megatron shard. Collective over TP: every TP rank calls
+        it, between steps. Without TP it is :meth:`load_full`."""
+        group = self.groups.tp
+        tables = {"embedding": embedding, "output": output}
+        if group is not None:
+            size = dist.get_world_size(group)
+            for name, shard in tables.items():
+                if shard is None:
+                    continue
+                shard = shard.detach().contiguous()
+                full = torch.empty(
+                    (size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device
+                )
+                dist.all_gather_into_tensor(full, shard, group=group)  # TP rank order = row order
+                tables[name] = full
+        self.load_full(**tables)
+
     def _load(self, param: Tensor, full: Tensor) -> None:
         part = self.partition
         if full.shape[-1] != self.hidden_size or full.shape[0] < part.vocab_size:
