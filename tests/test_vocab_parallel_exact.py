@@ -22,20 +22,30 @@ VARIANTS = ("vocab-1", "vocab-2")
 # pipeline size -> (microbatches, schedules); m is not a multiple of p
 CASES = {2: (3, ("1f1b", "zb-h1", "v-half")), 3: (4, ("1f1b", "zb-h1", "v-half"))}
 TP_CASE = (3, ("1f1b", "v-half"))  # TP = 2 x PP = 2, with and without sequence parallelism
+# sequence slices at p = 2 with calculate_per_token_loss (reference too): name -> slices
+SLICED_CASE = (3, (("seq1f1b", 2), ("slimpipe", 4)))
 
 
-def _vocab_schedule(name: str, pp: int, microbatches: int, variant: str):
+def _vocab_schedule(name: str, pp: int, microbatches: int, variant: str, slices: int = 1):
     from megatron_pp_ext.schedule.generators import generate
     from megatron_pp_ext.schedule.vocab import add_vocab_passes
 
-    return add_vocab_passes(generate(name, pp, microbatches), variant)
+    return add_vocab_passes(generate(name, pp, microbatches, slices=slices), variant)
 
 
 def vocab_worker(
-    rank: int, world: int, microbatches: int, names: tuple[str, ...], tp: int = 1, sp_modes: tuple = (False,)
+    rank: int,
+    world: int,
+    microbatches: int,
+    names: tuple[str, ...],
+    tp: int = 1,
+    sp_modes: tuple = (False,),
+    slices: tuple = (),
 ) -> dict:
     """Every case of one launch; at TP > 1 the reference and chunks hold Megatron's TP shards, the
-    vocabulary shard is loaded from them (``load_tp_shards``) and each TP rank checks its rows."""
+    vocabulary shard is loaded from them (``load_tp_shards``) and each TP rank checks its rows.
+    ``slices``: (name, k) pairs of sequence-sliced schedules, run with calculate_per_token_loss
+    (the reference too) instead of ``names``."""
     import dataclasses
 
     from megatron.core import parallel_state
@@ -61,6 +71,9 @@ def vocab_worker(
         model_cfg = tiny_model(num_layers=2 * pp + 1)
         if sequence_parallel:
             model_cfg = dataclasses.replace(model_cfg, extra={**model_cfg.extra, "sequence_parallel": True})
+        if slices:
+            extra = {**model_cfg.extra, "calculate_per_token_loss": True}
+            model_cfg = dataclasses.replace(model_cfg, seq_length=32, extra=extra)  # 4 slices of 8
         torch.manual_seed(1234)
         reference = build_reference(model_cfg)
         batches = make_batches(model_cfg, microbatches, seed=11)
@@ -80,12 +93,12 @@ def vocab_worker(
             "groups": groups,
             "sequence_parallel": sequence_parallel,
         }
-        for name in names:
+        for name, k in slices or [(name, 1) for name in names]:
             for variant in VARIANTS:
                 entry: dict = {}
-                report[_case(name, variant, sequence_parallel)] = entry
+                report[_case(name, variant, sequence_parallel, k)] = entry
                 try:
-                    _run_case(entry, name, variant, case)
+                    _run_case(entry, name, variant, case, k)
                 except Exception as error:  # report, do not stop the other cases
                     import traceback
 
@@ -93,11 +106,11 @@ def vocab_worker(
     return report
 
 
-def _case(name: str, variant: str, sequence_parallel: bool = False) -> str:
-    return f"{name}/{variant}" + ("/sp" if sequence_parallel else "")
+def _case(name: str, variant: str, sequence_parallel: bool = False, slices: int = 1) -> str:
+    return f"{name}/{variant}" + ("/sp" if sequence_parallel else "") + (f"/k{slices}" if slices > 1 else "")
 
 
-def _run_case(entry: dict, name: str, variant: str, case: dict) -> None:
+def _run_case(entry: dict, name: str, variant: str, case: dict, slices: int = 1) -> None:
     """One schedule and variant against the reference, into ``entry``."""
     from megatron_pp_ext.megatron.model import build_chunks_from
     from megatron_pp_ext.runtime.executor import PipelineRuntime
@@ -106,8 +119,8 @@ def _run_case(entry: dict, name: str, variant: str, case: dict) -> None:
     model_cfg, reference, batches = case["model"], case["reference"], case["batches"]
     ref_losses, ref_grads, mine, rank = case["losses"], case["grads"], case["rows"], case["pp_rank"]
     microbatches = len(batches)
-    schedule = _vocab_schedule(name, case["pp"], microbatches, variant)
-    chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, rank)
+    schedule = _vocab_schedule(name, case["pp"], microbatches, variant, slices)
+    chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, rank, sliced=slices > 1)
     setup = setup_vocab_parallel(
         chunks,
         schedule.placement,
@@ -151,7 +164,11 @@ def _run_case(entry: dict, name: str, variant: str, case: dict) -> None:
 
 
 @functools.cache
-def _launch(world: int, tp: int = 1) -> tuple:
+def _launch(world: int, tp: int = 1, sliced: bool = False) -> tuple:
+    if sliced:
+        microbatches, cases = SLICED_CASE
+        found = run_ranks(vocab_worker, world, microbatches, (), 1, (False,), cases, timeout=120)
+        return tuple(check_ok(found))
     if tp > 1:
         microbatches, names = TP_CASE
         found = run_ranks(vocab_worker, world, microbatches, names, tp, (False, True), timeout=300)
@@ -160,8 +177,10 @@ def _launch(world: int, tp: int = 1) -> tuple:
     return tuple(check_ok(run_ranks(vocab_worker, world, microbatches, names, timeout=120)))
 
 
-def _check(world: int, name: str, variant: str, tp: int = 1, sequence_parallel: bool = False) -> None:
-    reports = [r[_case(name, variant, sequence_parallel)] for r in _launch(world, tp)]
+def _check(
+    world: int, name: str, variant: str, tp: int = 1, sequence_parallel: bool = False, slices: int = 1
+) -> None:
+    reports = [r[_case(name, variant, sequence_parallel, slices)] for r in _launch(world, tp, slices > 1)]
     errors = [f"rank {rank}: {r['error']}" for rank, r in enumerate(reports) if "error" in r]
     assert not errors, "\n".join(errors)
     worst_all = 0.0
@@ -172,13 +191,14 @@ def _check(world: int, name: str, variant: str, tp: int = 1, sequence_parallel: 
         assert worst[1] < TOLERANCE, f"rank {rank}: gradient of {worst[0]} off by {worst[1]:.3g}"
     loss_ranks = [r for r in reports if r["is_loss_rank"]]
     assert len(loss_ranks) == tp  # the TP ranks of the last stage
-    microbatches = TP_CASE[0] if tp > 1 else CASES[world][0]
+    microbatches = TP_CASE[0] if tp > 1 else SLICED_CASE[0] if slices > 1 else CASES[world][0]
     for loss in loss_ranks:
         assert loss["loss_count"] == loss["eval_count"] == microbatches
         assert loss["loss_error"] < TOLERANCE and loss["eval_error"] < TOLERANCE
     loss_error = max(r["loss_error"] for r in loss_ranks)
     eval_error = max(r["eval_error"] for r in loss_ranks)
     where = f"tp={tp}{' sp' if sequence_parallel else ''} " if tp > 1 else ""
+    where += f"k={slices} per-token " if slices > 1 else ""
     print(
         f"{where}p={world // tp} {name} {variant}: max grad rel error {worst_all:.2e}, loss "
         f"{loss_error:.2e}, forward-only loss {eval_error:.2e}"
@@ -195,6 +215,14 @@ def test_vocab_parallel_exact_p2(name: str, variant: str) -> None:
 @pytest.mark.parametrize("name", CASES[3][1])
 def test_vocab_parallel_exact_p3(name: str, variant: str) -> None:
     _check(3, name, variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(("name", "slices"), SLICED_CASE[1])
+def test_vocab_parallel_exact_sliced_per_token_loss(name: str, slices: int, variant: str) -> None:
+    """Sequence-sliced schedules (one unit per (microbatch, slice)) with calculate_per_token_loss,
+    against the reference with the same loss."""
+    _check(2, name, variant, slices=slices)
 
 
 @pytest.mark.slow
@@ -260,3 +288,38 @@ def test_train_with_vocab_parallelism_gives_the_same_losses(tmp_path) -> None:
     for name in ("vocab-1", "vocab-2-vhalf"):
         for got, want in zip(losses[name], losses["none"], strict=True):
             assert abs(got - want) <= 1e-5 * abs(want), (name, losses)
+
+
+def test_sliced_vocab_parallelism_needs_per_token_loss() -> None:
+    """Without calculate_per_token_loss a slice's g is unknown at its F: the schedule options and
+    the runtime refuse sliced schedules, naming --calculate-per-token-loss."""
+    from types import SimpleNamespace
+
+    from megatron_pp_ext.megatron.hook import OptionError, PipelineOptions
+    from megatron_pp_ext.runtime.vocab_ops import VocabRuntimeError, VocabStep
+
+    options = PipelineOptions(schedule="seq1f1b", slices=2, vocab_parallel="vocab-1")
+    with pytest.raises(OptionError, match="--calculate-per-token-loss"):
+        options.schedule_for(2, 4)
+    args = SimpleNamespace(pp_schedule="seq1f1b", pp_seq_slices=2, pp_vocab_parallel="vocab-2")
+    refused = PipelineOptions.from_args(args)
+    allowed = PipelineOptions.from_args(SimpleNamespace(**vars(args), calculate_per_token_loss=True))
+    with pytest.raises(OptionError, match="--calculate-per-token-loss"):
+        refused.schedule_for(2, 4)
+    schedule = allowed.schedule_for(2, 4)
+    assert schedule.slices == 2 and schedule.vocab_parallel == "vocab-2"
+    runners = {1: SimpleNamespace(config=SimpleNamespace(calculate_per_token_loss=False))}
+    with pytest.raises(VocabRuntimeError, match="--calculate-per-token-loss"):
+        VocabStep(
+            None,
+            schedule,
+            1,
+            runners,
+            [],
+            None,
+            None,
+            None,
+            None,
+            forward_only=False,
+            collect_non_loss_data=False,
+        )

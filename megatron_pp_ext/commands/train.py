@@ -283,6 +283,7 @@ def check(settings: TrainSettings) -> None:
         )
     _check_parallel(settings, model)
     _check_checkpoints(settings)
+    _check_vocab(settings)
     flags = dict(TRAIN_FLAGS)
     if settings.global_batch_size is not None:
         flags["--microbatches"] = "--global-batch-size"
@@ -290,7 +291,6 @@ def check(settings: TrainSettings) -> None:
         schedule = settings.pipeline.schedule_for(settings.pp, settings.microbatches, flags)
     except OptionError as error:
         raise UsageError(error.flag, error.reason) from None
-    _check_vocab(settings)
     try:
         split_layers(model.num_layers, schedule.num_stages)
     except ValueError as error:
@@ -317,13 +317,17 @@ def check(settings: TrainSettings) -> None:
 
 def _check_vocab(settings: TrainSettings) -> None:
     """``--pp-vocab-parallel`` with what the runtime runs it with (exact against the run without):
-    CP = 1 (TP and sequence parallelism are fine), no checkpoints (they do not hold the vocabulary
-    shards yet), no post-validation. Sliced schedules and offload are refused by the schedule
-    options."""
+    CP = 1 (TP and sequence parallelism are fine), no sequence slices (the runtime needs per-token
+    loss for them), no checkpoints (they do not hold the vocabulary shards yet), no
+    post-validation. Offload is refused by the schedule options."""
     variant = settings.pipeline.vocab_parallel
     if variant == "none":
         return
     refused = (
+        (
+            settings.pipeline.slices > 1,
+            "sequence slices (they need per-token loss, which train lacks; use an unsliced schedule)",
+        ),
         (settings.cp > 1, "--context-parallel-size > 1"),
         (settings.save is not None, "--save (checkpoints do not hold the vocabulary shards yet)"),
         (settings.load is not None, "--load (checkpoints do not hold the vocabulary shards yet)"),

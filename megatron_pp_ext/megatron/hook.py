@@ -75,6 +75,7 @@ class PipelineOptions:
     compute_throughput: float | None = None  # FLOP/s for auto; None: measured
     attn_redistribution: float = 0.0  # SlimPipe's cap on the attention a heavy slice hands away
     vocab_parallel: str = "none"  # none, vocab-1 or vocab-2 (docs/vocab_parallel.md)
+    calculate_per_token_loss: bool = False  # Megatron's flag: vocabulary parallelism with slices needs it
 
     @classmethod
     def from_args(cls, args: Any) -> PipelineOptions:
@@ -94,6 +95,7 @@ class PipelineOptions:
             compute_throughput=getattr(args, "pp_compute_throughput", None),
             attn_redistribution=getattr(args, "pp_attn_redistribution", None) or 0.0,
             vocab_parallel=getattr(args, "pp_vocab_parallel", None) or "none",
+            calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
         )
 
     def schedule_for(
@@ -124,17 +126,19 @@ class PipelineOptions:
 
     def with_vocab(self, schedule: Schedule) -> Schedule:
         """``--pp-vocab-parallel``: the schedule with the vocabulary ops (before offload). The
-        runtime runs them for whole sequences without activation offload."""
+        runtime runs them without activation offload, with sequence slices only under
+        ``--calculate-per-token-loss`` (a slice's loss gradient is then known at its forward)."""
         if self.vocab_parallel == "none":
             return schedule
         if self.vocab_parallel not in VOCAB_CHOICES:
             raise OptionError(
                 f"must be one of {', '.join(VOCAB_CHOICES)}, got {self.vocab_parallel!r}", VOCAB_FLAG
             )
-        if schedule.slices > 1:
+        if schedule.slices > 1 and not self.calculate_per_token_loss:
             raise OptionError(
-                f"the runtime does not run vocabulary parallelism with sequence slices yet ({schedule.name} "
-                f"with {schedule.slices} slices): use an unsliced schedule, or --pp-vocab-parallel none",
+                f"runs with sequence slices ({schedule.name} with {schedule.slices} slices) only with "
+                "--calculate-per-token-loss (a slice's loss gradient needs the whole microbatch's token "
+                "count otherwise): add it, use an unsliced schedule, or --pp-vocab-parallel none",
                 VOCAB_FLAG,
             )
         if self.offload != "none":

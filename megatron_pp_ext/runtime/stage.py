@@ -205,7 +205,21 @@ class StageRunner:
         """Vocabulary parallel: the unit's loss report from the per-token losses that REDUCE_S
         gave, through the ``loss_func`` its forward returned (as :meth:`_loss` does)."""
         loss_func = self.loss_funcs.pop(key)
-        self._loss(key[0], per_token, loss_func, num_microbatches, losses, collect_non_loss_data)
+        if self.num_slices == 1:
+            self._loss(key[0], per_token, loss_func, num_microbatches, losses, collect_non_loss_data)
+            return
+        microbatch = key[0]  # a slice (T runs them in any order): one report once all are in
+        if loss_func is None or collect_non_loss_data:
+            value = per_token if loss_func is None else loss_func(per_token, non_loss_data=True)
+            losses.outputs.setdefault(microbatch, []).append(value)
+            return
+        _, num_tokens, report = sliced_loss(loss_func(per_token))
+        parts = losses.slices.setdefault(microbatch, SliceLosses())
+        parts.add(num_tokens, report)
+        losses.num_tokens = losses.num_tokens + num_tokens
+        if len(parts.reports) == self.num_slices:
+            losses.outputs[microbatch] = combine_reports(parts.reports)
+            del losses.slices[microbatch]
 
     def _loss(
         self,

@@ -86,23 +86,40 @@ def setup_vocab_parallel(
 
 
 class _Peeking:
-    """The first stage's data iterator, read ahead by BCAST_IDS (which needs each microbatch's
-    tokens before its F); the forward then gets the same batches, in order."""
+    """The first stage's data iterator, read ahead by BCAST_IDS (which needs each unit's tokens
+    before its F); the forward then gets the same batch of its (microbatch, slice) unit. Under
+    sequence slices ``source`` is the chunk's SliceFeeder: each read selects its unit first, and
+    the runtime's ``select`` before the forward names the unit to hand over."""
 
     def __init__(self, source: Iterator[Any]) -> None:
         self.source = source
-        self.ahead: deque[Any] = deque()
+        self.ahead: dict[Key, Any] = {}
+        self.order: deque[Key] = deque()
+        self.current: Key | None = None
 
-    def pull(self) -> Any:
+    def pull(self, key: Key) -> Any:
+        select = getattr(self.source, "select", None)
+        if select is not None:
+            select(*key)
         batch = next(self.source)
-        self.ahead.append(batch)
+        self.ahead[key] = batch
+        self.order.append(key)
         return batch
+
+    def select(self, microbatch: int, slice_index: int) -> None:
+        self.current = (microbatch, slice_index)
 
     def __iter__(self) -> _Peeking:
         return self
 
     def __next__(self) -> Any:
-        return self.ahead.popleft() if self.ahead else next(self.source)
+        key = self.current if self.current in self.ahead else (self.order[0] if self.order else None)
+        if key is None:
+            if self.current is not None and hasattr(self.source, "select"):
+                self.source.select(*self.current)
+            return next(self.source)
+        self.order.remove(key)
+        return self.ahead.pop(key)
 
 
 def _completed(pending: Pending[Any]) -> bool:
@@ -116,7 +133,10 @@ def _completed(pending: Pending[Any]) -> bool:
 
 
 class VocabStep:
-    """One step's vocabulary ops on one rank. Keys are (microbatch, slice)."""
+    """One step's vocabulary ops on one rank. Keys are (microbatch, slice): under sequence slices
+    every op runs per unit (token ids, labels, g and the losses of the slice); S, T and the
+    collectives are per token and need nothing from the chunks' slice context. Training with
+    slices needs ``calculate_per_token_loss`` (g of a slice is then known at its forward)."""
 
     def __init__(
         self,
@@ -133,10 +153,14 @@ class VocabStep:
         forward_only: bool,
         collect_non_loss_data: bool,
     ) -> None:
-        if schedule.slices > 1:
+        config = next(iter(runners.values())).config if runners else None
+        per_token = getattr(config, "calculate_per_token_loss", False)
+        if schedule.slices > 1 and not per_token and not forward_only:
             raise VocabRuntimeError(
-                "--pp-vocab-parallel: sequence-sliced schedules (seq1f1b, slimpipe, slices > 1) are not "
-                "supported by the runtime yet"
+                f"--pp-vocab-parallel with sequence slices ({schedule.name}, {schedule.slices} slices) "
+                "needs --calculate-per-token-loss (TransformerConfig.calculate_per_token_loss=True): "
+                "otherwise the loss gradient of a slice depends on the token count of the whole "
+                "microbatch, unknown at the slice's forward"
             )
         self.setup = setup
         self.vp = setup.vp
@@ -309,7 +333,7 @@ class VocabStep:
     def _bcast_ids(self, op: Op, key: Key) -> None:
         tokens = None
         if self.peek is not None:
-            batch = self.peek.pull()
+            batch = self.peek.pull(key)
             tokens = batch.get("tokens") if isinstance(batch, dict) else None
             if tokens is None:
                 raise VocabRuntimeError(
