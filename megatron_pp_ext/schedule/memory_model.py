@@ -17,6 +17,7 @@ schedule core imports no torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -207,8 +208,12 @@ def static_memory(
     param_bytes: int | None = None,
     grad_bytes: int = FP32,
     vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
+    count_params: Callable[..., list[int]] | None = None,
 ) -> list[MemoryParts]:
     """Weights, gradients and optimizer state of each pipeline rank (activations 0).
+
+    ``count_params``: parameters per rank, ``rank_params``'s signature (default ``rank_params``;
+    vocabulary parallelism passes its own count).
 
     ``param_bytes`` defaults to the shape's element size; ``grad_bytes`` to fp32, Megatron's
     main_grad buffers for bf16 training (DDP accumulates and reduces in fp32). Gradients stay
@@ -221,5 +226,7 @@ def static_memory(
     state = optimizer_bytes_per_param(param_bytes) / parallel.optimizer_shards
     return [
         MemoryParts(0.0, float(count * param_bytes), float(count * grad_bytes), count * state)
-        for count in rank_params(shape, placement, layers_per_stage, parallel.tp, vocab_divisible_by)
+        for count in (count_params or rank_params)(
+            shape, placement, layers_per_stage, parallel.tp, vocab_divisible_by
+        )
     ]

@@ -59,10 +59,9 @@ from .memory_model import (
     VOCAB_DIVISIBLE_BY,
     MemoryParts,
     Parallelism,
-    optimizer_bytes_per_param,
     padded_vocab,
     rank_params,
-    stage_layers,
+    static_memory,
 )
 from .models import ModelShape
 
@@ -586,12 +585,13 @@ def vocab_static_memory(
 ) -> list[MemoryParts]:
     """``memory_model.static_memory`` with the vocabulary spread over the pipeline ranks (same
     bytes per parameter: weights, fp32 main grads, Adam state sharded by the distributed optimizer)."""
-    parallel = parallel or Parallelism()
-    if layers_per_stage is None:
-        layers_per_stage = stage_layers(shape.layers, placement.num_stages)
-    param_bytes = shape.bytes_per_element if param_bytes is None else param_bytes
-    state = optimizer_bytes_per_param(param_bytes) / parallel.optimizer_shards
-    return [
-        MemoryParts(0.0, float(count * param_bytes), float(count * grad_bytes), count * state)
-        for count in vocab_rank_params(shape, placement, layers_per_stage, parallel.tp, vocab_divisible_by)
-    ]
+    return static_memory(
+        shape,
+        placement,
+        parallel,
+        layers_per_stage,
+        param_bytes,
+        grad_bytes,
+        vocab_divisible_by,
+        count_params=vocab_rank_params,
+    )
