@@ -255,11 +255,11 @@ def test_zb_h2_has_no_bubble_but_the_fill(pp: int, m: int) -> None:
 
 
 @pytest.mark.parametrize(("pp", "m"), [(3, 6), (4, 8), (4, 16), (6, 24), (8, 16), (8, 32)])
-def test_v_zb_has_no_bubble_but_the_fill_at_about_1f1b_memory(pp: int, m: int) -> None:
+def test_v_zb_has_no_bubble_but_the_fill_at_1f1b_memory(pp: int, m: int) -> None:
     result = simulate(generate("v-zb", pp, m))
     assert result.bubble_rate == pytest.approx(lower_bound(pp, m, 2), abs=1e-9)
-    assert rank_span_bubble(result) < 0.03
-    assert max(result.peak_memory_m) <= 1.0 + 1 / (2 * pp) + 1e-9  # M, plus one stage-unit
+    assert rank_span_bubble(result) == pytest.approx(0.0, abs=1e-9)
+    assert max(result.peak_memory_m) <= 1.0 + 1e-9  # M (every accounting: tests/test_schedule_fidelity.py)
 
 
 @pytest.mark.parametrize(("pp", "m"), [(3, 6), (4, 8), (4, 16), (6, 12), (8, 16), (8, 32)])

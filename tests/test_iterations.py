@@ -38,13 +38,15 @@ def test_post_validation_takes_back_zb_h2s_boundary_bubble(p: int, m: int) -> No
     assert h1_post.period == pytest.approx(h1_sync.period)  # every ZB-H1 rank ends together
 
 
-def test_v_zb_post_validation_is_below_its_synchronous_figure() -> None:
-    sync, post = run("v-zb", "sync"), run("v-zb", "post-validation")
-    assert post.period == pytest.approx(25.0) and sync.period == pytest.approx(25.5)
-    assert post.bubble_rate < sync.bubble_rate
-    # p=8, m=24: rank 0 starts the iteration and ends it last, so there is nothing to take back
-    big_sync, big_post = run("v-zb", "sync", 8, 24), run("v-zb", "post-validation", 8, 24)
-    assert big_post.period == pytest.approx(big_sync.period)
+@pytest.mark.parametrize("p, m, sync_period", [(4, 8, 25.5), (8, 24, 75.5)])
+def test_v_zb_post_validation_leaves_no_bubble(p: int, m: int, sync_period: float) -> None:
+    """V-ZB has no idle inside any rank's span, so once the optimizer step stops being a barrier
+    the steady state is 3m per iteration; synchronously the boundary still costs a little."""
+    sync, post = run("v-zb", "sync", p, m), run("v-zb", "post-validation", p, m)
+    assert sync.period == pytest.approx(sync_period)
+    assert post.period == pytest.approx(3 * m)
+    assert post.bubble_rate == pytest.approx(0.0, abs=1e-9)
+    assert sync.bubble_rate > 0.0
 
 
 def test_1f1b_gains_nothing() -> None:

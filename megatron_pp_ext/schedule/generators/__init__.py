@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from ..ir import Schedule
 from .dualpipev import dualpipev
-from .interleaved import interleaved_1f1b
+from .interleaved import interleaved_1f1b, interleaved_1f1b_groups_of_p
 from .one_f_one_b import one_f_one_b
 from .request import Costs, RequestError, ScheduleRequest
 from .sliced import seq1f1b, seq1f1b_interleaved, slimpipe, slimpipe_interleaved
-from .uniform_interleaved import uniform_interleaved
+from .uniform_interleaved import uniform_interleaved, uniform_interleaved_fast
 from .vshape import v_half, v_min, v_zb
 from .zero_bubble import zb_auto, zb_h1, zb_h2
 
@@ -49,7 +49,19 @@ register(
     GeneratorSpec(
         "interleaved-1f1b",
         interleaved_1f1b,
-        "Megatron's interleaved 1F1B: v chunks per rank, groups of p microbatches",
+        "Megatron's interleaved 1F1B: v chunks per rank, groups of p microbatches (m // p even groups "
+        "when p does not divide m, as PyTorch regroups)",
+        default_vpp=2,
+        allowed_vpp=None,
+        min_vpp=2,
+    )
+)
+register(
+    GeneratorSpec(
+        "interleaved-1f1b-groups-of-p",
+        interleaved_1f1b_groups_of_p,
+        "interleaved 1F1B with groups of exactly p whatever m: M(1+1/v) peak, a few slots longer when p "
+        "does not divide m",
         default_vpp=2,
         allowed_vpp=None,
         min_vpp=2,
@@ -60,6 +72,17 @@ register(
         "uniform-interleaved",
         uniform_interleaved,
         "PipeOffload's uniform interleaved: one F/B/W pattern per unit, flat memory, chunk 0 longest-lived",
+        default_vpp=2,
+        allowed_vpp=None,
+        min_vpp=2,
+    )
+)
+register(
+    GeneratorSpec(
+        "uniform-interleaved-fast",
+        uniform_interleaved_fast,
+        "uniform interleaved with the smallest chunk lag at which no backward waits: ~2 slots shorter, "
+        "2-4 stage-units more memory",
         default_vpp=2,
         allowed_vpp=None,
         min_vpp=2,

@@ -70,6 +70,17 @@ class ListResult:
     schedule: Schedule
     makespan: float
     peak_units: list[float]  # per rank, in stage-units as :attr:`RankView.memory` counts them
+    peak_in_flight: list[int] = field(default_factory=list)  # per rank, stage-units from F to W
+    peak_activations: list[int] = field(default_factory=list)  # per rank, stage-units from F to B
+    first_start: list[float] = field(default_factory=list)  # per rank, when its first op starts
+    last_end: list[float] = field(default_factory=list)  # per rank, when its last op ends
+    busy: list[float] = field(default_factory=list)  # per rank, time spent computing
+
+    @property
+    def span_idle(self) -> list[float]:
+        """Per rank, idle time between its first op's start and its last op's end (the
+        zero-bubble papers' in-span bubble)."""
+        return [end - start - busy for start, end, busy in zip(self.first_start, self.last_end, self.busy)]
 
 
 def list_schedule(
@@ -131,6 +142,11 @@ class _Engine:
                 view.backwards_done[stage] = 0
         self.free_at = [0.0] * placement.pp
         self.peak = [0.0] * placement.pp
+        self.peak_in_flight = [0] * placement.pp
+        self.peak_activations = [0] * placement.pp
+        self.first_start = [_INF] * placement.pp
+        self.last_end = [0.0] * placement.pp
+        self.busy = [0.0] * placement.pp
         self.ops: list[list[Op]] = [[] for _ in range(placement.pp)]
         # channel (sender, receiver, "F"|"B") -> messages in send order: (consumer stage, index)
         self.channels: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
@@ -202,6 +218,8 @@ class _Engine:
             view.forwards_done[stage] += 1
             view.activations += 1
             self.peak[rank] = max(self.peak[rank], view.memory)
+            self.peak_in_flight[rank] = max(self.peak_in_flight[rank], view.in_flight)
+            self.peak_activations[rank] = max(self.peak_activations[rank], view.activations)
         elif op.kind in (OpKind.B, OpKind.BW):
             index = view.backwards_done[stage]
             if stage < last:
@@ -217,6 +235,9 @@ class _Engine:
             view.pending_weights.remove(op)
         self.ops[rank].append(op)
         self.free_at[rank] = finish
+        self.first_start[rank] = min(self.first_start[rank], start)
+        self.last_end[rank] = finish
+        self.busy[rank] += finish - start
         self.placed += 1
 
     # ---- the event loop -------------------------------------------------------------------
@@ -266,4 +287,13 @@ class _Engine:
             ranks=self.ops,
             meta=dict(meta),
         )
-        return ListResult(schedule, makespan, list(self.peak))
+        return ListResult(
+            schedule,
+            makespan,
+            list(self.peak),
+            peak_in_flight=list(self.peak_in_flight),
+            peak_activations=list(self.peak_activations),
+            first_start=[0.0 if start == _INF else start for start in self.first_start],
+            busy=list(self.busy),
+            last_end=list(self.last_end),
+        )

@@ -1,22 +1,30 @@
 """V-shape schedules with controllable memory (Qi et al., NeurIPS'24): V-Min, V-Half, V-ZB.
 
 Each rank holds two chunks placed as a V: stage s on rank s for s < p and on rank 2p-1-s after,
-so rank 0 holds the first and the last stage and computes the loss. The paper builds a schedule
-from a *building block*, the passes of one unit laid out in time, repeated every 6 slots (each
-rank runs 2 F, 2 B and 2 W per unit, one slot each when F=B=W). A rank's activation memory is
-about (lifespan of a unit on it) / 6 units, so the block's shape sets the memory:
+so rank 0 holds the first and the last stage and computes the loss. Memory is counted from a
+unit's F to its W (a stage-unit is 1/(2p) of M): that bounds the peak whether B frees part of the
+activation or not, so each schedule keeps its paper's memory in every accounting the simulator
+offers (until B, the default, until W; the runtime's deferred W keeps almost all of an F's
+activation with flash attention, see docs/schedules.md).
 
-* the forwards go down and back up the V one slot apart, each op taking the first slot that is
-  free modulo 6 on its rank (so the repeated blocks never collide);
+V-Min and V-Half come from the paper's *building block*, the passes of one unit laid out in
+time, repeated every 6 slots (each rank runs 2 F, 2 B and 2 W per unit, one slot each when
+F=B=W). A rank's activation memory is about (lifespan of a unit on it) / 6 units, so the block's
+shape sets the memory:
+
+* the forwards go down the V one slot apart and back up ``climb`` slots apart, each op taking
+  the first slot that is free modulo 6 on its rank (so the repeated blocks never collide);
 * after ``turn`` extra slots at the loss (the end of the V, back on rank 0), the backwards go
   back the same way, and each W follows its B after ``w_delay`` slots.
 
-A short turn gives V-Min, a longer one V-Half, longer still V-ZB. Repeating the block and running
-it as soon as possible (the paper's *squeezing*) leaves bubbles in the warm-up and the cool-down,
-where memory is underused; the paper *reorders* those phases. Ours lets the list scheduler do it:
-each rank follows the repeated block's order, lets a ready B overtake a planned W, and when its
-next op is not ready fills the slot with other ready work, a new down-leg forward only while its
-memory stays under ``cap``.
+Repeating the block and running it as soon as possible (the paper's *squeezing*) leaves bubbles
+in the warm-up and the cool-down, where memory is underused; the paper *reorders* those phases.
+Ours lets the list scheduler do it: each rank follows the repeated block's order and, when its
+next op is not ready, fills the slot with other ready work, a new forward only under a cap.
+
+V-ZB is the paper's zero-bubble V (Qi et al.'s ZB-V), built in rounds on each rank's time line
+(:class:`ZeroBubbleV`): a warm-up that fills every rank to M, then one B and one F per rank and
+round with the Ws in the waits, which leaves no rank idle between its first and last op.
 
 With k slices a unit is a (microbatch, slice) pair; the backwards of a microbatch go last slice
 first, so the backward half of the block moves k-1 periods later (the last slice's forward must
@@ -25,8 +33,10 @@ be done before the first backward of its microbatch).
 
 from __future__ import annotations
 
+from collections import deque
+
 from ..ir import Op, OpKind, Placement, Schedule, backward_units, units
-from .list_scheduler import RankView, list_schedule
+from .list_scheduler import ListResult, RankView, list_schedule
 from .request import ScheduleRequest
 
 PERIOD = 6  # slots per repeated block on each rank: F, F, B, B, W, W
@@ -37,10 +47,13 @@ def v_placement(pp: int) -> Placement:
     return Placement(pp, 2 * pp, "vshape")
 
 
-def building_block(pp: int, turn: int, w_delay: int) -> Block:
+def building_block(pp: int, turn: int, w_delay: int, climb: tuple[int, int] = (1, 1)) -> Block:
     """Slots of one unit's passes: forwards down and up the V, ``turn`` slots at the loss, the
     backwards back down, each W ``w_delay`` slots after its B; every op takes the first slot at
-    or after that which no other op of its rank uses modulo :data:`PERIOD`."""
+    or after that which no other op of its rank uses modulo :data:`PERIOD`. The passes that climb
+    the V from the turn at rank p-1 on take ``climb`` = (forward, backward) slots per hop (the up
+    leg's forwards, the down leg's backwards): 1 is the tightest block, 2 doubles the lifespan
+    that climb adds to every unit."""
     place = v_placement(pp)
     used: list[set[int]] = [set() for _ in range(pp)]
     block: Block = {}
@@ -54,9 +67,11 @@ def building_block(pp: int, turn: int, w_delay: int) -> Block:
 
     last = 2 * pp - 1
     for stage in range(2 * pp):
-        put(OpKind.F, stage, 0 if stage == 0 else block[(OpKind.F, stage - 1)] + 1)
+        hop = 1 if stage < pp else climb[0]
+        put(OpKind.F, stage, 0 if stage == 0 else block[(OpKind.F, stage - 1)] + hop)
     for stage in reversed(range(2 * pp)):
-        after = block[(OpKind.F, last)] + 1 + turn if stage == last else block[(OpKind.B, stage + 1)] + 1
+        hop = 1 if stage >= pp else climb[1]
+        after = block[(OpKind.F, last)] + 1 + turn if stage == last else block[(OpKind.B, stage + 1)] + hop
         put(OpKind.B, stage, after)
     for stage in sorted(range(2 * pp), key=lambda s: block[(OpKind.B, s)]):
         put(OpKind.W, stage, block[(OpKind.B, stage)] + 1 + w_delay)
@@ -81,13 +96,21 @@ def repeat_block(block: Block, pp: int, microbatches: int, slices: int) -> list[
 
 
 class FollowBlock:
-    """Follow the repeated block; a ready B may overtake a planned W; an idle slot takes a ready
-    B or up-leg F, else a new down-leg F while memory + 1 <= ``cap`` stage-units, else a W."""
+    """Follow the repeated block. When the next planned op is not ready, the slot takes a ready B,
+    else a ready F (the up leg's first) while the rank holds fewer than ``cap`` stage-units from F
+    to W, else a W; a ready B overtakes a planned W only under that cap too, so what a fill adds
+    is bounded whether B frees part of an activation or not. With ``drain`` (the number of units),
+    a rank that has run all its forwards lets every ready B overtake its planned Ws: its memory
+    can only fall from there, and the Ws fill the cool-down's holes instead."""
 
-    def __init__(self, plan: list[list[Op]], pp: int, cap: float) -> None:
+    def __init__(
+        self, plan: list[list[Op]], pp: int, cap: float, drain: int | None = None, strict: bool = True
+    ) -> None:
         self.plan = plan
         self.pp = pp
         self.cap = cap
+        self.drain = drain
+        self.strict = strict
         self.position = [0] * len(plan)
         self.index = [{op: i for i, op in enumerate(ops)} for ops in plan]
         self.done = [bytearray(len(ops)) for ops in plan]
@@ -99,7 +122,35 @@ class FollowBlock:
         self.position[rank] = i
         return ops[i] if i < len(ops) else None
 
+    def _draining(self, view: RankView) -> bool:
+        return self.drain is not None and all(view.forwards_done[s] >= self.drain for s in view.stages)
+
     def _choose(self, view: RankView, ready: list[Op]) -> Op | None:
+        if not self.strict:
+            return self._choose_loose(view, ready)
+        planned = self._next_planned(view.rank)
+        room = view.in_flight + 1 <= self.cap + 1e-9
+        if planned is not None and planned.kind == OpKind.W and (room or self._draining(view)):
+            for op in ready:
+                if op.kind == OpKind.B:
+                    return op
+        if planned in ready:
+            return planned
+        for op in ready:
+            if op.kind == OpKind.B:
+                return op
+        if room:
+            for op in sorted((op for op in ready if op.kind == OpKind.F), key=lambda op: -op.stage):
+                return op
+        for op in ready:
+            if op.kind == OpKind.W:
+                return op
+        return None
+
+    def _choose_loose(self, view: RankView, ready: list[Op]) -> Op | None:
+        """The first V-Min rule: a ready B overtakes a planned W, an idle slot takes a B or an
+        up-leg F, and a new down-leg F only while the memory counted with B freeing part of the
+        activation (:attr:`RankView.memory`) stays under the cap."""
         planned = self._next_planned(view.rank)
         if planned is not None and planned.kind == OpKind.W:
             for op in ready:
@@ -125,47 +176,363 @@ class FollowBlock:
         return choice
 
 
-def v_shape(request: ScheduleRequest, name: str, turn: int, w_delay: int, cap_units: float) -> Schedule:
+def v_shape(
+    request: ScheduleRequest,
+    name: str,
+    turn: int,
+    w_delay: int,
+    cap_units: float,
+    climb: tuple[int, int] = (1, 1),
+    drain: bool = False,
+    strict: bool = True,
+) -> ListResult:
     """The common V-shape generator; ``cap_units`` is per slice-free stage-unit (scaled by k)."""
     pp, slices = request.pp, request.slices
-    block = building_block(pp, turn, w_delay)
+    block = building_block(pp, turn, w_delay, climb)
     plan = repeat_block(block, pp, request.microbatches, slices)
     cap = cap_units * slices
-    meta = {"turn": turn, "w_delay": w_delay, "fill_cap_units": cap}
-    result = list_schedule(
+    meta = {"turn": turn, "w_delay": w_delay, "climb": list(climb), "fill_cap_units": cap}
+    units_per_stage = request.microbatches * slices
+    return list_schedule(
         request.name or name,
         v_placement(pp),
         request.microbatches,
         slices,
-        FollowBlock(plan, pp, cap),
+        FollowBlock(plan, pp, cap, units_per_stage if drain else None, strict),
         costs=request.costs,
         meta=meta,
     )
-    return result.schedule
+
+
+def _peaks(result: ListResult) -> tuple[int, int]:
+    return max(result.peak_activations), max(result.peak_in_flight)
 
 
 def v_min(request: ScheduleRequest) -> Schedule:
     """The shortest lifespan the V allows: forwards straight down and up, backwards straight
     back, W right after B. About M/3 at rank 0, bubble about 2/3 of 1F1B's. Whole microbatches
     already fill M/3, so no extra warm-up forwards; sliced units hold far less, so the warm-up
-    fills up to M/3 (2p/3 stage-units). (When 3 divides p the tight block collides with itself
-    modulo 6; starting the Ws half a period later untangles it.)"""
-    pp = request.pp
-    cap = 0.0 if request.slices == 1 else 2 * pp / 3
-    return v_shape(request, "v-min", turn=0, w_delay=3 if pp % 3 == 0 else 0, cap_units=cap)
+    fills up to M/3 (2p/3 stage-units). When 3 divides p the tight block collides with itself
+    modulo 6; starting the Ws half a period later untangles it.
+
+    The reorder the paper's generator makes when 3 divides p is tried too: Ws two slots after
+    their B, and extra down-leg forwards in the warm-up while a rank holds fewer than half the
+    (p+4)//3 microbatches V-Min allows (counted from F to W, so in every accounting). It is kept
+    only when it is shorter at no more memory, counted with B freeing the activation or not (two
+    slots shorter whenever 3 divides p)."""
+    pp, slices = request.pp, request.slices
+    cap = 0.0 if slices == 1 else 2 * pp / 3
+    tight = v_shape(request, "v-min", 0, 3 if pp % 3 == 0 else 0, cap, strict=False)
+    filled = v_shape(request, "v-min", 0, 2, (pp + 4) // 3)
+    faster = filled.makespan < tight.makespan - 1e-9
+    no_more_memory = all(a <= b for a, b in zip(_peaks(filled), _peaks(tight)))
+    return (filled if faster and no_more_memory else tight).schedule
+
+
+def v_half_blocks(pp: int) -> list[tuple[tuple[int, int], int, int, int]]:
+    """(climb, turn, w_delay, fill cap) of the V-Half candidates: forwards climbing the V two slots
+    per hop (backwards one) with a turn of two slots or one; or the tight block with a turn of p-1
+    slots at the loss, W right after B or a slot later; each with a fill cap of p/2 + 1 and of
+    3p/4 stage-units."""
+    blocks = [((2, 1), 2, 0), ((2, 1), 1, 0), ((1, 1), max(0, pp - 1), 0), ((1, 1), max(0, pp - 1), 1)]
+    caps = sorted({pp // 2 + 1, (3 * pp) // 4})
+    return [(climb, turn, w_delay, cap) for climb, turn, w_delay in blocks for cap in caps]
 
 
 def v_half(request: ScheduleRequest) -> Schedule:
-    """A turn of p-1 slots and W a period after B: a lifespan of about 3p slots, half of
-    V-ZB's, so about M/2 ((p+2)//2 microbatches' worth at rank 0), and up to p/2 + 1
-    stage-units of extra warm-up forwards; bubble about half of 1F1B's."""
-    pp = request.pp
-    return v_shape(request, "v-half", turn=max(0, pp - 1), w_delay=6, cap_units=pp // 2 + 1)
+    """About half of V-ZB's lifespan and W right after B, so a rank holds about M/2 however B's
+    memory is counted: at most (p+2)/2 microbatches' worth, p+2 stage-units from F to W, the bound
+    every candidate must keep. The lifespan comes either from the passes that climb the V (the up
+    leg's forwards two slots per hop instead of one: about 5p slots per unit against V-Min's 4p)
+    or from a longer stay at the loss (a turn of p-1 slots).
+
+    Squeezing the repeated block leaves holes in the warm-up and the cool-down; the reorder fills
+    the warm-up with extra forwards under a cap and, once a rank has run all its forwards, lets
+    its Bs overtake its planned Ws (its memory only falls from there). Which block squeezes best
+    depends on p (its parity, and whether the turn or the climb is cheaper), so, like the paper's
+    generator, we build a few (:func:`v_half_blocks`) and keep the shortest within the bound, then
+    the one whose ranks idle least in their spans."""
+    pp, slices = request.pp, request.slices
+    bound = (pp + 2) * slices
+    candidates = [
+        v_shape(request, "v-half", turn, w_delay, cap_units, climb=climb, drain=True)
+        for climb, turn, w_delay, cap_units in v_half_blocks(pp)
+    ]
+    # our first V-Half (W a period after B, the fill counted with B freeing half): within the
+    # bound only when slices make the units small
+    candidates.append(v_shape(request, "v-half", max(0, pp - 1), 6, pp // 2 + 1, strict=False))
+    return min(
+        candidates,
+        key=lambda result: (max(result.peak_in_flight) > bound, result.makespan, sum(result.span_idle)),
+    ).schedule
+
+
+# ---- V-ZB: zero bubble at M, built in rounds ---------------------------------------------------
+
+DOWN, UP = 0, 1  # the two chunks of a rank: stage r going down the V, stage 2p-1-r coming back up
+_KINDS = {"F": OpKind.F, "B": OpKind.B}
+
+
+class _VRank:
+    """One rank as the rounds fill it: its ops in order, the time it is free, what it holds."""
+
+    def __init__(self, rank: int, pp: int) -> None:
+        self.stage = (rank, 2 * pp - 1 - rank)
+        self.ops: list[Op] = []
+        self.free_at = 0.0
+        self.idle = 0.0  # time spent waiting since its first op: the in-span bubble
+        self.in_flight = 0  # stage-units whose F has run and whose W has not
+        self.done = {(kind, chunk): 0 for kind in _KINDS for chunk in (DOWN, UP)}
+        self.pending_w: deque[Op] = deque()
+
+
+class ZeroBubbleV:
+    """Qi et al.'s ZB-V as a greedy in rounds, on each rank's time line as the simulator replays it.
+
+    The memory bound is what makes it V-ZB: every rank holds at most ``limit`` stage-units from F
+    to W (2p, i.e. M), so the peak stays at M whether B frees part of an activation or not.
+
+    1. Warm-up, down the V: each rank forwards the first unit; then, from the bottom rank up, a
+       rank and all above it forward one more unit each as long as that does not delay the rank's
+       first up-leg forward and leaves it room for the up-leg units to come; then, from the top
+       down, every rank forwards (alternating legs) until it holds as many as the rank above it:
+       at the end every rank is full.
+    2. Rounds: each rank runs one B (the up leg's, whose B comes first, until it has one more of
+       those than of the down leg's, and then the down leg's if its input is already known), then
+       one F (the up leg's when its input is known, else a new unit down the V). A W runs first when
+       the rank is full, and a W fills any wait for an input long enough to hold it.
+       ``fill_b``/``fill_f`` also let a W go before a down-leg B / an F whenever the wait is longer
+       than the worst bubble of any rank so far, so no rank idles more than it must.
+    3. The remaining W.
+
+    Within a round the down leg's Bs go from the bottom rank up and the up leg's from rank 0 down,
+    the way their inputs flow, so a B's input is placed before it whenever it can be. Times are
+    those the simulator will replay (an op starts when its rank is free and its input has arrived).
+    """
+
+    def __init__(
+        self, request: ScheduleRequest, limit: int, fill_b: bool = True, fill_f: bool = True
+    ) -> None:
+        self.pp = request.pp
+        self.limit = limit
+        self.fill_b, self.fill_f = fill_b, fill_f
+        costs = request.costs
+        self.duration = {"F": costs.forward, "B": costs.backward, "W": costs.weight}
+        self.comm = costs.comm
+        self.forward_units = units(request.microbatches, request.slices)
+        self.backward_units = backward_units(request.microbatches, request.slices)
+        forward_index = {unit: i for i, unit in enumerate(self.forward_units)}
+        self.forward_of_backward = [forward_index[unit] for unit in self.backward_units]
+        self.count = len(self.forward_units)
+        self.ranks = [_VRank(rank, self.pp) for rank in range(self.pp)]
+        self.end: dict[tuple[str, int, int], float] = {}  # (kind, stage, index) -> end time
+
+    # ---- what an op waits for -----------------------------------------------------------
+
+    def _left(self, rank: int, kind: str, chunk: int) -> bool:
+        return self.ranks[rank].done[(kind, chunk)] < self.count
+
+    def _input(self, rank: int, kind: str, chunk: int) -> tuple[str, int, int] | None:
+        """The (kind, stage, index) whose end the next such op waits for; None for stage 0's F."""
+        index = self.ranks[rank].done[(kind, chunk)]
+        stage = self.ranks[rank].stage[chunk]
+        if kind == "F":
+            return None if stage == 0 else ("F", stage - 1, index)
+        if stage == 2 * self.pp - 1:
+            return ("F", stage, self.forward_of_backward[index])
+        return ("B", stage + 1, index)
+
+    def _known(self, rank: int, kind: str, chunk: int) -> bool:
+        """The next such op exists and its input is placed: its start time is known."""
+        if not self._left(rank, kind, chunk):
+            return False
+        source = self._input(rank, kind, chunk)
+        return source is None or source in self.end
+
+    def _ready_at(self, rank: int, kind: str, chunk: int) -> float:
+        """When the next such op's input is usable on ``rank`` (a message costs ``comm``)."""
+        source = self._input(rank, kind, chunk)
+        if source is None:
+            return 0.0
+        same_rank = source[1] in self.ranks[rank].stage
+        return self.end[source] + (0.0 if same_rank else self.comm)
+
+    # ---- placing ops ----------------------------------------------------------------------
+
+    def _run(self, rank: int, start: float, op: Op, duration: float) -> None:
+        state = self.ranks[rank]
+        if state.ops:
+            state.idle += start - state.free_at
+        state.free_at = start + duration
+        state.ops.append(op)
+
+    def put(self, rank: int, kind: str, chunk: int) -> None:
+        state = self.ranks[rank]
+        index = state.done[(kind, chunk)]
+        stage = state.stage[chunk]
+        mb, j = (self.forward_units if kind == "F" else self.backward_units)[index]
+        start = max(state.free_at, self._ready_at(rank, kind, chunk))
+        self._run(rank, start, Op(_KINDS[kind], stage, mb, j), self.duration[kind])
+        self.end[(kind, stage, index)] = state.free_at
+        state.done[(kind, chunk)] += 1
+        if kind == "F":
+            state.in_flight += 1
+        else:
+            state.pending_w.append(Op(OpKind.W, stage, mb, j))
+
+    def put_w(self, rank: int) -> None:
+        state = self.ranks[rank]
+        self._run(rank, state.free_at, state.pending_w.popleft(), self.duration["W"])
+        state.in_flight -= 1
+
+    def _has_room(self, rank: int) -> bool:
+        return self.ranks[rank].in_flight + 1 <= self.limit
+
+    def _fill_wait(self, rank: int, kind: str, chunk: int, beyond_worst: bool) -> None:
+        """Ws into the wait for the next op's input; with ``beyond_worst`` one more W if the rest
+        of the wait is still longer than the worst bubble of any rank exceeds this rank's."""
+        state = self.ranks[rank]
+        ready = self._ready_at(rank, kind, chunk)
+        while state.pending_w and ready >= state.free_at + self.duration["W"]:
+            self.put_w(rank)
+        worst = max(other.idle for other in self.ranks)
+        if beyond_worst and state.pending_w and ready - state.free_at > worst - state.idle:
+            self.put_w(rank)
+
+    # ---- the three phases -----------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        pp = self.pp
+        for rank in range(pp):
+            if self._has_room(rank) and self._left(rank, "F", DOWN):
+                self.put(rank, "F", DOWN)
+        for rank in reversed(range(pp)):
+            if not self._known(rank, "F", UP) or not self._has_room(rank):
+                continue
+            first_up = self._ready_at(rank, "F", UP)
+            state = self.ranks[rank]
+            while (
+                state.in_flight + 2 * (rank + 1) <= self.limit
+                and state.free_at + self.duration["F"] <= first_up
+                and all(self._left(above, "F", DOWN) and self._has_room(above) for above in range(rank + 1))
+            ):
+                for above in range(rank + 1):
+                    self.put(above, "F", DOWN)
+            self.put(rank, "F", UP)
+        chunk = DOWN
+        for rank in range(1, pp):
+            above, this = self.ranks[rank - 1].done, self.ranks[rank].done
+            while (
+                this[("F", DOWN)] + this[("F", UP)] < above[("F", DOWN)] + above[("F", UP)]
+                or this[("F", UP)] <= above[("F", UP)] < self.count
+            ):
+                placed = False
+                for lower in range(pp - 1, rank - 1, -1):
+                    if self._known(lower, "F", chunk) and self._has_room(lower):
+                        self.put(lower, "F", chunk)
+                        placed = True
+                chunk = 1 - chunk
+                if not placed and not any(
+                    self._known(lower, "F", chunk) and self._has_room(lower) for lower in range(rank, pp)
+                ):
+                    break
+
+    def _backward_chunk(self, rank: int) -> int:
+        done = self.ranks[rank].done
+        if done[("B", DOWN)] >= done[("B", UP)] and self._left(rank, "B", UP):
+            return UP
+        if self._known(rank, "B", DOWN) or not self._left(rank, "B", UP):
+            return DOWN
+        return UP
+
+    def _forward_chunk(self, rank: int) -> int:
+        done = self.ranks[rank].done
+        if done[("F", UP)] < done[("F", DOWN)] and self._known(rank, "F", UP):
+            return UP
+        return DOWN
+
+    def rounds(self) -> None:
+        pp = self.pp
+        while any(self._left(rank, "B", chunk) for rank in range(pp) for chunk in (DOWN, UP)):
+            placed = 0
+            chunks = [self._backward_chunk(rank) for rank in range(pp)]
+            order = [r for r in reversed(range(pp)) if chunks[r] == DOWN]
+            order += [r for r in range(pp) if chunks[r] == UP]
+            for rank in order:
+                chunk = chunks[rank]
+                if not self._known(rank, "B", chunk):
+                    continue
+                self._fill_wait(rank, "B", chunk, beyond_worst=chunk == UP or self.fill_b)
+                self.put(rank, "B", chunk)
+                placed += 1
+            for rank in range(pp):
+                chunk = self._forward_chunk(rank)
+                if not self._known(rank, "F", chunk):
+                    continue
+                state = self.ranks[rank]
+                while not self._has_room(rank) and state.pending_w:
+                    self.put_w(rank)
+                if not self._has_room(rank):
+                    continue
+                self._fill_wait(rank, "F", chunk, beyond_worst=self.fill_f)
+                self.put(rank, "F", chunk)
+                placed += 1
+            if not placed:
+                raise RuntimeError("V-ZB rounds are stuck: no rank can run a backward or a forward")
+        for rank, state in enumerate(self.ranks):
+            while state.pending_w:
+                self.put_w(rank)
+
+    def build(self) -> list[list[Op]]:
+        """Run the three phases; each rank's ops in order."""
+        self.warm_up()
+        self.rounds()
+        return [state.ops for state in self.ranks]
+
+    @property
+    def worst_bubble(self) -> float:
+        return max(state.idle for state in self.ranks)
+
+    @property
+    def makespan(self) -> float:
+        return max(state.free_at for state in self.ranks)
 
 
 def v_zb(request: ScheduleRequest) -> Schedule:
-    """A turn of 4p-7 slots: a lifespan long enough that the steady state never waits (about M
-    at rank 0, like 1F1B), plus 2p-3 (at least 3) stage-units of warm-up forwards, so that the pipeline has
-    no bubble beyond its fill."""
-    pp = request.pp
-    return v_shape(request, "v-zb", turn=max(0, 4 * pp - 7), w_delay=3, cap_units=max(3, 2 * pp - 3))
+    """Zero bubble at 1F1B's memory: every rank holds at most 2p stage-units (M) from F to W, and
+    the rounds of :class:`ZeroBubbleV` keep every rank busy from its first op to its last. Like the
+    paper's generator it tries letting a W into a wait before a down-leg B and before an F or not,
+    and keeps the order whose worst rank idles least (then the shortest). With k slices our first
+    V-ZB (a repeated block with a turn of 4p-7 slots and extra warm-up forwards) is a candidate too,
+    kept when it stays under the same bound and idles less."""
+    pp, slices = request.pp, request.slices
+    limit = 2 * pp * slices
+    best: tuple[tuple[bool, float, float], Schedule] | None = None
+    for fill_b in (True, False):
+        for fill_f in (True, False):
+            builder = ZeroBubbleV(request, limit, fill_b, fill_f)
+            ranks = builder.build()
+            key = (False, *_rounded(builder.worst_bubble, builder.makespan))
+            if best is None or key < best[0]:
+                schedule = Schedule(
+                    name=request.name or "v-zb",
+                    pp=pp,
+                    microbatches=request.microbatches,
+                    num_stages=2 * pp,
+                    slices=slices,
+                    placement=v_placement(pp),
+                    ranks=ranks,
+                    meta={"memory_limit_units": limit, "fill_b": fill_b, "fill_f": fill_f},
+                )
+                best = (key, schedule)
+    if slices > 1:
+        block = v_shape(request, "v-zb", max(0, 4 * pp - 7), 3, max(3, 2 * pp - 3), strict=False)
+        key = (max(block.peak_in_flight) > limit, *_rounded(max(block.span_idle), block.makespan))
+        if best is None or key < best[0]:
+            best = (key, block.schedule)
+    assert best is not None
+    return best[1]
+
+
+def _rounded(idle: float, makespan: float) -> tuple[float, float]:
+    return round(idle, 9), round(makespan, 9)

@@ -119,9 +119,14 @@ def zb_h2(request: ScheduleRequest) -> Schedule:
 def zb_auto(request: ScheduleRequest) -> Schedule:
     """Greedy list scheduling with the measured F, B, W and comm times under a memory limit
     (``request.memory_limit`` in M; None means M, the 1F1B peak): B first, F while memory allows,
-    W into idle time. Like the paper's automatic scheduler it builds a few candidates (the
-    1F1B-shaped one, and greedy ones that fill idle time with any W or only with a W that ends
-    before the next input arrives) and keeps the one with the shortest planned makespan."""
+    W into idle time. The limit counts a unit from its F to its W, so it holds whether B frees
+    part of the activation or not (every accounting of the simulator).
+
+    Like the paper's automatic scheduler it builds a few candidates (the 1F1B-shaped one, and
+    greedy ones that fill idle time with any W or only with a W that ends before the next input
+    arrives) and keeps the one with the shortest planned makespan; among equally short ones, the
+    one whose ranks idle least between their first and last op (the shortest per-rank spans),
+    then the lowest peak."""
     pp, slices, costs = request.pp, request.slices, request.costs
     limit_m = 1.0 if request.memory_limit is None else request.memory_limit
     limit = limit_m * pp * slices  # stage-units: one is 1/(p*k) of M
@@ -131,12 +136,13 @@ def zb_auto(request: ScheduleRequest) -> Schedule:
             f"limit of at least {1 / pp:.3g} M; got {limit_m:g}",
             flag="--memory-limit",
         )
+    in_flight = int(limit + 1e-9)
     candidates: list[tuple[str, Policy]] = [
-        ("greedy", Greedy(max_memory=limit)),
-        ("greedy-w-fits", Greedy(max_memory=limit, w_must_fit=True, weight_time=costs.weight)),
+        ("greedy", Greedy(max_in_flight=in_flight)),
+        ("greedy-w-fits", Greedy(max_in_flight=in_flight, w_must_fit=True, weight_time=costs.weight)),
     ]
     in_flight_1f1b = pp + slices - 1
-    if in_flight_1f1b <= limit + 1e-9:
+    if in_flight_1f1b <= in_flight:
         order = one_f_one_b_order(
             pp, request.microbatches, slices, lambda rank: pp - 1 - rank + slices - 1, backward=OpKind.B
         )
@@ -144,11 +150,11 @@ def zb_auto(request: ScheduleRequest) -> Schedule:
         candidates.append(
             ("1f1b-order-w-fits", FollowOrderFillWithW(order, in_flight_1f1b, weight_time=costs.weight))
         )
-    best: tuple[float, float, ListResult] | None = None
+    best: tuple[tuple[float, float, int], ListResult] | None = None
     for label, policy in candidates:
         result = _run(request, "zb-auto", policy, {"memory_limit_m": limit_m, "policy": label})
-        key = (result.makespan, max(result.peak_units))
-        if best is None or key < best[:2]:
-            best = (*key, result)
+        key = (round(result.makespan, 9), round(sum(result.span_idle), 9), max(result.peak_in_flight))
+        if best is None or key < best[0]:
+            best = (key, result)
     assert best is not None
-    return best[2].schedule
+    return best[1].schedule
