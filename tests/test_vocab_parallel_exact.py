@@ -256,7 +256,7 @@ def _train(*args: str, timeout: float = 300):
     ("args", "words"),
     [
         (["--context-parallel-size", "2"], "--context-parallel-size"),
-        (["--pp-schedule", "seq1f1b", "--pp-seq-slices", "2"], "sequence slices"),
+        (["--pp-schedule", "seq1f1b", "--pp-seq-slices", "2"], "--calculate-per-token-loss"),
     ],
 )
 def test_train_refuses_what_the_runtime_does_not_run(args: list[str], words: str) -> None:
@@ -269,25 +269,35 @@ def test_train_refuses_what_the_runtime_does_not_run(args: list[str], words: str
 
 @pytest.mark.slow
 def test_train_with_vocab_parallelism_gives_the_same_losses(tmp_path) -> None:
-    """2 iterations at PP=2: vocab-1 with 1F1B and vocab-2 with V-Half against 1F1B without."""
+    """2 iterations at PP=2 against 1F1B without vocabulary parallelism (same global batch):
+    vocab-1 with 1F1B; vocab-2 with V-Half over DP=2 with the distributed optimizer and overlapped
+    gradient reduction (the shards go through Megatron's DDP like any parameter); vocab-1 with
+    Seq1F1B k=2 under --calculate-per-token-loss. Same losses and gradient norms."""
     import json
 
     common = ["--pipeline-model-parallel-size", "2", "--train-iters", "2", "--global-batch-size", "8"]
     runs = {
         "none": ["--pp-schedule", "1f1b"],
         "vocab-1": ["--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-1"],
-        "vocab-2-vhalf": ["--pp-schedule", "v-half", "--pp-vocab-parallel", "vocab-2"],
+        "vocab-2-vhalf-dp2": (
+            "--pp-schedule v-half --pp-vocab-parallel vocab-2 --data-parallel-size 2 "
+            "--use-distributed-optimizer --overlap-grad-reduce"
+        ).split(),
+        "vocab-1-seq1f1b-per-token": (
+            "--pp-schedule seq1f1b --pp-seq-slices 2 --pp-vocab-parallel vocab-1 --calculate-per-token-loss"
+        ).split(),
     }
-    losses = {}
+    rows = {}
     for name, extra in runs.items():
         metrics = tmp_path / f"{name}.jsonl"
         done = _train(*common, "--num-layers", "4", *extra, "--metrics", str(metrics), timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    assert len(losses["none"]) == 2
-    for name in ("vocab-1", "vocab-2-vhalf"):
-        for got, want in zip(losses[name], losses["none"], strict=True):
-            assert abs(got - want) <= 1e-5 * abs(want), (name, losses)
+        rows[name] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(rows["none"]) == 2
+    for name in runs.keys() - {"none"}:
+        for got, want in zip(rows[name], rows["none"], strict=True):
+            for key in ("loss", "grad_norm"):
+                assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (name, key, rows[name])
 
 
 def test_sliced_vocab_parallelism_needs_per_token_loss() -> None:

@@ -136,6 +136,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--overlap-grad-reduce", action="store_true", default=None, help="overlap the DP gradient reduction"
     )
+    parser.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="divide the loss by the global batch's token count, not per microbatch (Megatron's "
+        "flag; vocabulary parallelism with sequence slices needs it)",
+    )
     parser.add_argument("--lr", type=float, help="peak learning rate")
     parser.add_argument("--seed", type=int, help="random seed (weights and data)")
     parser.add_argument("--data", help="a text file to train on (default: Python stdlib docstrings)")
@@ -317,17 +323,20 @@ def check(settings: TrainSettings) -> None:
 
 def _check_vocab(settings: TrainSettings) -> None:
     """``--pp-vocab-parallel`` with what the runtime runs it with (exact against the run without):
-    CP = 1 (TP and sequence parallelism are fine), no sequence slices (the runtime needs per-token
-    loss for them), no checkpoints (they do not hold the vocabulary shards yet), no
+    CP = 1 (TP and sequence parallelism are fine), sequence slices only with per-token loss, no
+    checkpoints (they do not hold the vocabulary shards yet), no
     post-validation. Offload is refused by the schedule options."""
     variant = settings.pipeline.vocab_parallel
     if variant == "none":
         return
+    if settings.pipeline.slices > 1 and not settings.pipeline.calculate_per_token_loss:
+        raise UsageError(
+            "--pp-vocab-parallel",
+            f"{variant} with sequence slices needs --calculate-per-token-loss (a slice's loss "
+            "gradient needs the whole microbatch's token count otherwise): add it, or use an "
+            "unsliced schedule",
+        )
     refused = (
-        (
-            settings.pipeline.slices > 1,
-            "sequence slices (they need per-token loss, which train lacks; use an unsliced schedule)",
-        ),
         (settings.cp > 1, "--context-parallel-size > 1"),
         (settings.save is not None, "--save (checkpoints do not hold the vocabulary shards yet)"),
         (settings.load is not None, "--load (checkpoints do not hold the vocabulary shards yet)"),
@@ -576,7 +585,11 @@ class TrainJob:
 
         settings = self.settings
         self.schedule = self.hook.schedule(settings.pp, settings.microbatches)
-        extra = {**settings.model.get("extra", {}), "sequence_parallel": settings.sequence_parallel}
+        extra = {
+            **settings.model.get("extra", {}),
+            "sequence_parallel": settings.sequence_parallel,
+            "calculate_per_token_loss": settings.pipeline.calculate_per_token_loss,
+        }
         self.model_config = ModelConfig(**{**settings.model, "extra": extra})
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
         # Losses are reported per CP rank (its own tokens): summed over DP x CP. Data goes by DP rank.
