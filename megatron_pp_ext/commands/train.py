@@ -324,8 +324,8 @@ def check(settings: TrainSettings) -> None:
 def _check_vocab(settings: TrainSettings) -> None:
     """``--pp-vocab-parallel`` with what the runtime runs it with (exact against the run without):
     CP = 1 (TP and sequence parallelism are fine), sequence slices only with per-token loss, no
-    checkpoints (they do not hold the vocabulary shards yet), no
-    post-validation. Offload is refused by the schedule options."""
+    post-validation. Offload is refused by the schedule options. Checkpoints hold the shards as
+    Megatron's own tables (``megatron/checkpoint.py``)."""
     variant = settings.pipeline.vocab_parallel
     if variant == "none":
         return
@@ -338,8 +338,6 @@ def _check_vocab(settings: TrainSettings) -> None:
         )
     refused = (
         (settings.cp > 1, "--context-parallel-size > 1"),
-        (settings.save is not None, "--save (checkpoints do not hold the vocabulary shards yet)"),
-        (settings.load is not None, "--load (checkpoints do not hold the vocabulary shards yet)"),
         (settings.post_validation, "--pp-post-validation"),
     )
     for bad, what in refused:
