@@ -9,7 +9,7 @@ names (``optimizer.state.exp_avg.<key>``). Our chunks are self-contained GPTMode
 their layers from 1, so :func:`chunk_sharded_state_dict` gives each layer its global index from
 the stage's offset (V-shape: stage 2p-1-r on rank r holds the layers of that stage, wherever it
 sits). Vocabulary-parallel shards are rows of the same embedding and output tables
-(:func:`vocab_sharded_state_dict`). Saved under v-zb with PP=2, the checkpoint loads under 1F1B,
+(``VocabParallel.sharded_state_dict``). Saved under v-zb with PP=2, the checkpoint loads under 1F1B,
 interleaved 1F1B, PP=1 with TP=2 or DP=2, with or without vocabulary parallelism:
 ``dist_checkpointing`` reads each rank's slices of the global tensors.
 
@@ -107,9 +107,6 @@ def chunk_sharded_state_dict(
     gpt = unwrap_model(chunk)
     state: dict[str, Any] = {}
     for prefix, module, group in _modules_but_layers(gpt):  # as GPTModel's sharded_state_dict
-        if prefix == "vocab_parallel.":
-            state.update(vocab_sharded_state_dict(module, prefix))
-            continue
         state.update(sharded_state_dict_default(module, prefix, (), metadata, tp_group=group))
     state.pop("output_layer._extra_state", None)  # GPTModel drops it too (always empty)
     # The layers, stacked on a leading axis of the whole model's layers (Megatron's layout).
@@ -119,56 +116,6 @@ def chunk_sharded_state_dict(
         replace_prefix_for_sharding(layer_state, local, "decoder.layers.")
         state.update(layer_state)
     return state
-
-
-def vocab_sharded_state_dict(vocab: Any, prefix: str) -> dict[str, Any]:
-    """A vocabulary-parallel shard (``runtime.vocab_parallel.VocabParallel``) saved as the rows it
-    holds of Megatron's own tables, ``embedding.word_embeddings.weight`` and ``output_layer.weight``
-    ([vocab, h]): the checkpoint is the one a run without vocabulary parallelism writes, and either
-    run loads the other's. A shard holds rows [start, start + rows) of the padded vocabulary, an
-    uneven split (the last shard is shorter by the padding), so each is a factory whose tensor is
-    the shard's real rows at their global offset (Megatron's uneven sharding, checked by DCP); the
-    optimizer builds its moments through the same factory (it matches the parameter by identity)."""
-    from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    part = vocab.partition
-    rows = part.real_rows
-    if rows == 0:
-        raise CheckpointError(
-            f"vocabulary shard {part.pp_rank}/{part.tp_rank} holds only padding rows "
-            f"({part.vocab_size} rows over {part.shards} shards of {part.rows_per_shard}): a checkpoint "
-            "cannot place it; use fewer pipeline x tensor ranks or a smaller padding multiple"
-        )
-    data_parallel = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    replica_id = (0, 0, data_parallel)
-
-    def build(key: str, tensor: torch.Tensor, replica: Any, flattened_range: Any) -> ShardedTensor:
-        real = tensor[:rows]
-        return ShardedTensor(
-            key=key,
-            data=real,
-            dtype=real.dtype,
-            local_shape=tuple(real.shape),
-            global_shape=(part.vocab_size, *real.shape[1:]),
-            global_offset=(part.start, *([0] * (real.dim() - 1))),
-            axis_fragmentations=None,  # uneven: the last shard is shorter
-            replica_id=replica,
-        )
-
-    def merge(loaded: torch.Tensor) -> torch.Tensor:
-        """The shard again, padding rows zero (a weight or a moment: the loaded dtype)."""
-        full = loaded.new_zeros((part.rows_per_shard, *loaded.shape[1:]))
-        full[:rows].copy_(loaded)
-        return full
-
-    tables = {"embedding_weight": ("embedding.word_embeddings.weight", vocab.embedding_weight)}
-    if not vocab.tied:
-        tables["output_weight"] = ("output_layer.weight", vocab.output_weight)
-    return {
-        f"{prefix}{name}": ShardedTensorFactory(key, param, build, merge, replica_id)
-        for name, (key, param) in tables.items()
-    }
 
 
 def _modules_but_layers(gpt: torch.nn.Module) -> Any:

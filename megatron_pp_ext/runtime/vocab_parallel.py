@@ -388,6 +388,58 @@ class VocabParallel(torch.nn.Module):
             method(master)
             self._load(param, master)
 
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """megatron-core's checkpoint protocol (``dist_checkpointing``; GPTModel's own
+        ``sharded_state_dict`` calls it on its children): the shard saved as the rows it holds of
+        Megatron's own tables, ``embedding.word_embeddings.weight`` and ``output_layer.weight``
+        ([vocab, h]), so the checkpoint is the one a run without vocabulary parallelism writes and
+        either run loads the other's. A shard holds rows [start, start + rows) of the padded
+        vocabulary, an uneven split (the last shard is shorter by the padding), so each table is a
+        factory whose tensor is the shard's real rows at their global offset (uneven sharding,
+        checked by DCP); the optimizer builds its moments through the same factory (it matches
+        the parameter by identity). Replicated over data-parallel ranks."""
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+        part = self.partition
+        rows = part.real_rows
+        if rows == 0:
+            raise ValueError(
+                f"vocabulary shard {part.pp_rank}/{part.tp_rank} holds only padding rows "
+                f"({part.vocab_size} rows over {part.shards} shards of {part.rows_per_shard}): a "
+                "checkpoint cannot place it; use fewer pipeline x tensor ranks or a smaller padding multiple"
+            )
+        replica_id = (0, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True))
+
+        def build(key: str, tensor: Tensor, replica: Any, flattened_range: Any) -> ShardedTensor:
+            real = tensor[:rows]
+            return ShardedTensor(
+                key=key,
+                data=real,
+                dtype=real.dtype,
+                local_shape=tuple(real.shape),
+                global_shape=(part.vocab_size, *real.shape[1:]),
+                global_offset=(part.start, *([0] * (real.dim() - 1))),
+                axis_fragmentations=None,  # uneven: the last shard is shorter
+                replica_id=replica,
+            )
+
+        def merge(loaded: Tensor) -> Tensor:
+            """The shard again, padding rows zero (a weight or a moment: the loaded dtype)."""
+            full = loaded.new_zeros((part.rows_per_shard, *loaded.shape[1:]))
+            full[:rows].copy_(loaded)
+            return full
+
+        tables = {"embedding_weight": ("embedding.word_embeddings.weight", self.embedding_weight)}
+        if not self.tied:
+            tables["output_weight"] = ("output_layer.weight", self.output_weight)
+        return {
+            f"{prefix}{name}": ShardedTensorFactory(key, param, build, merge, replica_id)
+            for name, (key, param) in tables.items()
+        }
+
     def _weights(self) -> dict[str, torch.nn.Parameter]:
         weights = {"embedding": self.embedding_weight}
         if not self.tied:
