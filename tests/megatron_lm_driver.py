@@ -1,6 +1,7 @@
 """Megatron-LM's training pieces on CPU, driven by torchrun: the patched ``pretrain_gpt.py``'s
 model provider through Megatron's ``get_model``, its datasets and ``get_batch``, and Megatron's
-``train_step`` running the installed schedule.
+``train_step`` running the installed schedule (with ``--pp-vocab-parallel``, the shards the
+model provider set up: initialised and reported as the tables of a run without it).
 
 Run as ``torchrun --nproc-per-node N tests/megatron_lm_driver.py MODE OUT -- <pretrain_gpt.py
 flags>`` with the patched Megatron-LM tree on PYTHONPATH. MODE ``chunks`` writes, per rank, what
@@ -100,6 +101,35 @@ def init_by_name(model: list) -> None:
             param.copy_(value.to(param.dtype))
 
 
+def init_vocab_by_name(vocab: object) -> None:
+    """``--pp-vocab-parallel``: the shards from the tables :func:`init_by_name` gives a run without
+    it (each TP rank's shard of the embedding and output tables drawn from its own name)."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    rows = vocab.vp.partition.vocab_size // parallel_state.get_tensor_model_parallel_world_size()
+    tables = {}
+    for which, name in (("embedding", "embedding.word_embeddings.weight"), ("output", "output_layer.weight")):
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{name}@tp{tp_rank}".encode()))
+        noise = torch.randn((rows, vocab.vp.hidden_size), generator=generator, dtype=torch.float32)
+        tables[which] = 0.05 * noise
+    vocab.vp.load_tp_shards(**tables)
+
+
+def vocab_weights(vocab: object) -> dict[str, list]:
+    """The shards gathered into the tables a run without vocabulary parallelism holds, under the
+    names :func:`named_global_params` gives them there (``@tp<rank>`` per tensor-parallel shard)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    weights = {}
+    for which, name in (("embedding", "embedding.word_embeddings.weight"), ("output", "output_layer.weight")):
+        full = vocab.vp.gather_full(which)[: vocab.vp.partition.vocab_size]
+        for tp_rank, shard in enumerate(full.chunk(tp)):
+            weights[f"{name}@tp{tp_rank}"] = shard.double().tolist()
+    return weights
+
+
 def chunk_summary(model: list) -> list[dict]:
     from megatron.core.utils import unwrap_model
 
@@ -123,11 +153,13 @@ def sharded_tensors(chunk: torch.nn.Module) -> list[list]:
     """What Megatron's checkpointing saves of a chunk: (key, global offset, global shape) of every
     sharded tensor of its ``sharded_state_dict`` (Megatron-LM's save_checkpoint starts there)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+    state = chunk.sharded_state_dict()
+    apply_factories(state)  # factories (vocabulary shards) -> the tensors they save
     return [
         [item.key, list(item.global_offset), list(item.global_shape)]
-        for item in nested_values(chunk.sharded_state_dict())
+        for item in nested_values(state)
         if isinstance(item, ShardedTensor)
     ]
 
@@ -195,8 +227,11 @@ def main() -> None:
     provider = pp_ext.placed_model_provider(partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder))
     model = get_model(provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
     result: dict = {"chunks": chunk_summary(model)}
+    vocab = pp_ext.setup(args).vocab  # --pp-vocab-parallel: set while get_model built the chunks
     if mode == "train":
         init_by_name(model)
+        if vocab is not None:
+            init_vocab_by_name(vocab)
         model = wrap_chunks(model, DistributedDataParallelConfig())  # shim 2
         config = get_model_config(model[0])
         optimizer = CpuOptimizer(model, args.lr)  # shim 4
@@ -223,8 +258,12 @@ def main() -> None:
             losses.append({key: float(value) for key, value in loss.items()})
         result["losses"] = losses
         result["weights"] = {
-            name: param.detach().double().tolist() for name, param in named_global_params(model).items()
+            name: param.detach().double().tolist()
+            for name, param in named_global_params(model).items()
+            if not name.startswith("vocab_parallel.")
         }
+        if vocab is not None:
+            result["weights"].update(vocab_weights(vocab))
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:

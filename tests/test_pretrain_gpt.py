@@ -144,6 +144,13 @@ CASES = [
     ([*TINY, *PP2, *CP2, "--pp-schedule", "zb-h1"], None),
     ([*SEQ30, *PP2, *CP2, "--pp-schedule", "1f1b"], "multiple of 2 * context-parallel-size"),  # Megatron's
     ([*MASK, *PP2, "--pp-schedule", "seq1f1b", "--pp-seq-slices", "2"], "--no-create-attention-mask"),
+    ([*TINY, *PP2, "--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-1"], None),
+    ([*TIED, *PP2, "--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-1"], "--untie-embeddings"),
+    ([*TINY, *PP2, *CP2, "--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-2"], "--context-parallel"),
+    (
+        [*TINY, *PP2, "--pp-schedule", "seq1f1b", "--pp-seq-slices", "2", "--pp-vocab-parallel", "vocab-1"],
+        "--calculate-per-token-loss",
+    ),
 ]
 
 
@@ -285,3 +292,46 @@ def test_train_step_tensor_parallel_slices_equal_1f1b(
     whole = run_driver(patched_tree, tmp_path, "train", 4, flags)
     assert any(name.endswith("@tp1") for name in sliced[-1]["weights"]), "no tensor-parallel shards"
     assert_same_training(sliced, whole, 2e-6, same_sums=False)
+
+
+@pytest.mark.slow
+def test_train_step_vocab_parallel_equals_1f1b(
+    patched_tree: Path, tmp_path: Path, one_f_one_b: list[dict]
+) -> None:
+    """--pp-vocab-parallel vocab-2 under V-Half through Megatron-LM's get_model and train_step:
+    the model provider puts each rank's shard of Megatron's padded vocabulary (384 rows, 192 per
+    rank) on chunk 0 before DDP, the runtime runs S/T and their collectives; 1F1B's losses and
+    weights (the shards gathered into the embedding and output tables)."""
+    flags = [*PP2, *VP2, "--pp-schedule", "v-half", "--pp-vocab-parallel", "vocab-2"]
+    run = run_driver(patched_tree, tmp_path, "train", 2, flags)
+
+    def saved(ranks: list[dict]) -> dict[str, set]:
+        """What Megatron-LM's save_checkpoint writes: key -> {(global offset, global shape)}."""
+        found: dict[str, set] = {}
+        for rank in ranks:
+            for chunk in rank["chunks"]:
+                for key, offset, shape in chunk["sharded"]:
+                    found.setdefault(key, set()).add((tuple(offset), tuple(shape)))
+        return found
+
+    ours, theirs = saved(run), saved(one_f_one_b)
+    assert ours.keys() == theirs.keys()  # the shards write Megatron's own tables
+    for table in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert theirs[table] == {((0, 0), (384, 64))}
+        assert ours[table] == {((0, 0), (384, 64)), ((192, 0), (384, 64))}  # rank r: rows from 192 r
+    # the cross-entropy is computed in pieces: float rounding differs from the unsplit run
+    assert_same_training(run, one_f_one_b, 2e-6, same_sums=False)
+
+
+@pytest.mark.slow
+def test_train_step_vocab_parallel_with_tensor_parallelism(patched_tree: Path, tmp_path: Path) -> None:
+    """TP2 (sequence parallel) x PP2, vocab-1 under 1F1B through Megatron-LM's train_step: each
+    (pipeline, tensor) rank holds 96 of the 384 rows, the embedding output is reduce-scattered
+    over TP as Megatron's embedding does under SP, and TP ranks > 0 read the tokens BCAST_IDS
+    needs from their own data iterator (Megatron's get_batch broadcasts from TP rank 0); the
+    losses and weights of the same TP2 layout without vocabulary parallelism."""
+    flags = [*PP2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pp-schedule", "1f1b"]
+    split = run_driver(patched_tree, tmp_path, "train", 4, [*flags, "--pp-vocab-parallel", "vocab-1"])
+    whole = run_driver(patched_tree, tmp_path, "train", 4, flags)
+    assert any(name.endswith("@tp1") for name in split[-1]["weights"]), "no tensor-parallel shards"
+    assert_same_training(split, whole, 2e-6, same_sums=False)

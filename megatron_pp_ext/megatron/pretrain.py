@@ -72,13 +72,7 @@ def check_args(args: Any) -> None:
     for attribute, flag, instead in REFUSED_FLAGS:
         if getattr(args, attribute, False):
             raise OptionError(f"cannot combine with --pp-schedule {args.pp_schedule}: {instead}", flag)
-    vocab = getattr(args, "pp_vocab_parallel", None) or "none"
-    if vocab != "none":
-        raise OptionError(
-            f"{vocab} is not wired into pretrain_gpt.py yet (its model provider builds the full "
-            "embedding and output layer): run it with `megatron-pp-ext train`, or drop the flag",
-            "--pp-vocab-parallel",
-        )
+    _check_vocab_args(args)
     pp = args.pipeline_model_parallel_size
     options = _with_megatron_chunks(PipelineOptions.from_args(args), args)
     try:
@@ -130,6 +124,28 @@ def check_args(args: Any) -> None:
         from ..schedule.models import megatron_shape
 
         options.slice_lengths(schedule, args.seq_length, megatron_shape(args))
+
+
+def _check_vocab_args(args: Any) -> None:
+    """``--pp-vocab-parallel`` with what the model provider can build it with."""
+    vocab = getattr(args, "pp_vocab_parallel", None) or "none"
+    if vocab == "none":
+        return
+    refused = (
+        (
+            not args.untie_embeddings_and_output_weights,
+            "tied embeddings: add --untie-embeddings-and-output-weights",
+        ),
+        ((getattr(args, "context_parallel_size", None) or 1) > 1, "--context-parallel-size > 1: drop one"),
+        (
+            getattr(args, "position_embedding_type", "rope") == "learned_absolute",
+            "learned absolute positions (their table stays on the first stage, untested): use "
+            "--position-embedding-type rope",
+        ),
+    )
+    for bad, why in refused:
+        if bad:
+            raise OptionError(f"{vocab} cannot run with {why}", "--pp-vocab-parallel")
 
 
 # -- the hook, installed once per process from Megatron's arguments --------------------------------
@@ -263,9 +279,66 @@ def placed_model_provider(provider: Callable[..., Any]) -> Callable[..., Any]:
             from .sliced import enable_slicing
 
             enable_slicing(model)
+        if (getattr(args, "pp_vocab_parallel", None) or "none") != "none":
+            _place_vocabulary(model, stage, vp_stage or 0, layout, args)
         return model
 
     return build
+
+
+def _place_vocabulary(chunk: Any, stage: int, chunk_index: int, layout: Placement, args: Any) -> None:
+    """``--pp-vocab-parallel``, while Megatron's ``get_model`` builds this rank's chunks (before it
+    wraps them in DDP, so the shard's parameters are chunk 0's like any other): chunk 0 gets this
+    rank's :class:`VocabParallel` shard of Megatron's padded vocabulary, the first stage's chunk
+    an embedding feed and the last stage's an output capture in place of their full tables. Once
+    every chunk of every rank is built, the tables Megatron initialised (this TP rank's shard) go
+    from the first stage's rank and the last stage's to every pipeline rank, which keeps its rows:
+    the shards start from the model a run without vocabulary parallelism starts from."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from ..runtime.vocab_ops import VocabSetup
+    from ..runtime.vocab_parallel import VocabParallel, install_embedding_feed, install_output_capture
+
+    pieces = _state.setdefault("vocab_pieces", {})
+    last = layout.num_stages - 1
+    loss_rank = layout.rank_of(last)
+    weight = next(chunk.parameters())
+    if chunk_index == 0:
+        pieces.clear()
+        pieces["vp"] = VocabParallel(
+            args.padded_vocab_size,
+            args.hidden_size,
+            variant=args.pp_vocab_parallel,
+            loss_rank=loss_rank,
+            sequence_parallel=bool(args.sequence_parallel),
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        chunk.vocab_parallel = pieces["vp"]
+    if stage == 0:
+        pieces["embedding"] = chunk.embedding.word_embeddings.weight.detach()
+        pieces["feed"] = install_embedding_feed(chunk)
+    if stage == last:
+        pieces["output"] = chunk.output_layer.weight.detach()
+        pieces["capture"] = install_output_capture(chunk)
+    if chunk_index < len(layout.stages_of(0)) - 1:
+        return
+    vp: VocabParallel = pieces["vp"]
+    group = parallel_state.get_pipeline_model_parallel_group()
+    rows = args.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
+    tables = {}
+    for name, source in (("embedding", 0), ("output", loss_rank)):
+        table = pieces.get(name)
+        if table is None:
+            table = torch.empty(rows, args.hidden_size, dtype=weight.dtype, device=weight.device)
+        table = table.contiguous()
+        dist.broadcast(table, src=dist.get_global_rank(group, source), group=group)
+        tables[name] = table
+    vp.load_tp_shards(embedding=tables["embedding"], output=tables["output"])
+    setup(args).vocab = VocabSetup(vp, pieces.get("feed"), pieces.get("capture"), 0)
+    pieces.clear()
 
 
 @contextlib.contextmanager

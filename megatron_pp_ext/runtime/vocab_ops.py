@@ -182,16 +182,19 @@ class VocabStep:
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.peek: _Peeking | None = None
+        self.ids_over_tp = False  # only TP rank 0 of the first stage reads data: it sends the ids
         if self.is_first_rank:
             index = self.placement.chunk_index(0)
             source = iterators[index]
-            if source is None:
+            self.ids_over_tp = self._some_tp_rank_lacks_data(source is None)
+            if source is None and not (self.ids_over_tp and self.vp.groups.tp_rank > 0):
                 raise VocabRuntimeError(
                     "vocabulary parallelism: the first stage needs its data iterator (BCAST_IDS reads "
-                    "the tokens before the forward)"
+                    "the tokens before the forward; under TP, at least on TP rank 0)"
                 )
-            self.peek = _Peeking(source)
-            iterators[index] = self.peek
+            if source is not None and (not self.ids_over_tp or self.vp.groups.tp_rank == 0):
+                self.peek = _Peeking(source)
+                iterators[index] = self.peek
         self._outputs: dict[Key, tuple[Tensor, Tensor, Tensor, Hold]] = {}  # loss rank: X, labels, g
         self._x: dict[Key, Pending[Any]] = {}
         self._states: dict[Key, tuple[Any, list[Hold]]] = {}
@@ -330,6 +333,16 @@ class VocabStep:
         else:
             self._unwaited.append((pending, [hold]))
 
+    def _some_tp_rank_lacks_data(self, lacking: bool) -> bool:
+        """Whether a TP rank of the first stage has no data iterator (Megatron-LM builds loaders
+        on TP rank 0 only); collective over the first stage's TP group."""
+        group = self.vp.groups.tp_ids
+        if group is None:
+            return False
+        flag = torch.tensor([int(lacking)], dtype=torch.int64, device=self.vp.embedding_weight.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
     def _bcast_ids(self, op: Op, key: Key) -> None:
         tokens = None
         if self.peek is not None:
@@ -340,6 +353,8 @@ class VocabStep:
                     "vocabulary parallelism reads the token ids of the first stage's batches: "
                     "its data iterator must give dicts with 'tokens'"
                 )
+        if self.ids_over_tp:
+            tokens = self.vp.ids_from_tp_rank_0(tokens, self.batch_shape(op))
         self._ids[key] = self.vp.e_ids(tokens, self.batch_shape(op), async_op=True)
 
     def _reduce_emb(self, op: Op, key: Key) -> None:

@@ -50,6 +50,7 @@ state (after the final norm), with its labels kept for BCAST_X.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -127,7 +128,9 @@ class VocabGroups:
     meet on one group. ``x``, ``out``, ``emb``: the pipeline (the p ranks holding the stages of
     one model replica); ``stats``: every vocabulary shard of the same tokens (TP x PP, channel
     ``out``); ``tp``: the TP group of this pipeline rank (None without TP), for the SP gathers
-    done in order on the main thread; ``tp_out``: a TP group private to vocab-2's REDUCE_S worker."""
+    done in order on the main thread; ``tp_out``: a TP group private to vocab-2's REDUCE_S worker;
+    ``tp_ids``: a TP group for the first stage's token ids when only TP rank 0 reads data
+    (Megatron-LM's loaders)."""
 
     x: Any
     out: Any
@@ -135,6 +138,7 @@ class VocabGroups:
     stats: Any
     tp: Any = None
     tp_out: Any = None
+    tp_ids: Any = None
 
     @classmethod
     def create(cls) -> VocabGroups:
@@ -166,6 +170,7 @@ class VocabGroups:
             stats=_new_groups(mp_sets),
             tp=tp if tp_size > 1 else None,
             tp_out=_new_groups(tp_sets) if tp_sets else None,
+            tp_ids=_new_groups(tp_sets) if tp_sets else None,
         )
 
     @property
@@ -762,6 +767,20 @@ class VocabParallel(torch.nn.Module):
         work = dist.broadcast(buffer, src=_root(groups.emb, 0), group=groups.emb, async_op=async_op)
         return _maybe_async(work, lambda: buffer, async_op)
 
+    def ids_from_tp_rank_0(self, ids: Tensor | None, batch_shape: Sequence[int]) -> Tensor:
+        """The first stage's token ids [b, s] from its TP rank 0 to the other TP ranks (before
+        BCAST_IDS, synchronous), for data loaders that only TP rank 0 reads, as Megatron-LM's
+        (``get_batch_on_this_tp_rank`` broadcasts the batch in the forward, too late for S/T)."""
+        device = self.embedding_weight.device
+        if self.groups.tp_rank == 0:
+            if ids is None:
+                raise ValueError("tensor-parallel rank 0 of the first stage must give the token ids")
+            buffer = ids.to(device=device, dtype=torch.int64).contiguous().clone()
+        else:
+            buffer = torch.empty(tuple(batch_shape), dtype=torch.int64, device=device)
+        dist.broadcast(buffer, src=_root(self.groups.tp_ids, 0), group=self.groups.tp_ids)
+        return buffer
+
     def e_forward(self, ids: Tensor) -> Tensor:
         """REDUCE_EMB's compute: this shard's part of the word embedding of ``ids`` [b, s], its
         rows looked up, zeros for the other tokens; [b, s, h] ([s, b, h] when scattering)."""
@@ -1007,4 +1026,22 @@ def install_output_capture(chunk: torch.nn.Module) -> OutputCapture:
     capture = OutputCapture()
     gpt.output_layer = capture
     gpt.compute_language_model_loss = capture.keep_labels  # instance attribute: GPTModel's own is untouched
+    gpt.sharded_state_dict = functools.partial(_sharded_state_dict_without_output_layer, gpt)
     return capture
+
+
+def _sharded_state_dict_without_output_layer(
+    gpt: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+) -> dict[str, Any]:
+    """GPTModel's ``sharded_state_dict`` for a last stage whose output layer is an
+    :class:`OutputCapture`: megatron-core's module walk (each child's own, the shards' included)
+    without LanguageModule's step that marks ``output_layer.weight``, which is not there (the
+    shards write the table's rows, :meth:`VocabParallel.sharded_state_dict`). Megatron-LM's
+    ``save_checkpoint`` calls it."""
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    state = MegatronModule.sharded_state_dict(gpt, prefix, sharded_offsets, metadata)
+    state.pop(f"{prefix}output_layer._extra_state", None)  # as GPTModel: always empty
+    return state
