@@ -270,21 +270,23 @@ def test_train_refuses_what_the_runtime_does_not_run(args: list[str], words: str
 @pytest.mark.slow
 def test_train_with_vocab_parallelism_gives_the_same_losses(tmp_path) -> None:
     """2 iterations at PP=2 against 1F1B without vocabulary parallelism (same global batch):
-    vocab-1 with 1F1B; vocab-2 with V-Half over DP=2 with the distributed optimizer and overlapped
-    gradient reduction (the shards go through Megatron's DDP like any parameter); vocab-1 with
-    Seq1F1B k=2 under --calculate-per-token-loss. Same losses and gradient norms."""
+    vocab-1 with 1F1B; vocab-2 with V-Half over DP=2 with the distributed optimizer, overlapped
+    gradient reduction (the shards go through Megatron's DDP like any parameter) and selective
+    activation offload; vocab-1 with SlimPipe k=2, full offload and --calculate-per-token-loss.
+    Same losses and gradient norms, and the offloading runs moved bytes to the host."""
     import json
 
     common = ["--pipeline-model-parallel-size", "2", "--train-iters", "2", "--global-batch-size", "8"]
     runs = {
         "none": ["--pp-schedule", "1f1b"],
         "vocab-1": ["--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-1"],
-        "vocab-2-vhalf-dp2": (
+        "vocab-2-vhalf-dp2-offload": (
             "--pp-schedule v-half --pp-vocab-parallel vocab-2 --data-parallel-size 2 "
-            "--use-distributed-optimizer --overlap-grad-reduce"
+            "--use-distributed-optimizer --overlap-grad-reduce --pp-offload selective"
         ).split(),
-        "vocab-1-seq1f1b-per-token": (
-            "--pp-schedule seq1f1b --pp-seq-slices 2 --pp-vocab-parallel vocab-1 --calculate-per-token-loss"
+        "vocab-1-slimpipe-offload-per-token": (
+            "--pp-schedule slimpipe --pp-seq-slices 2 --pp-vocab-parallel vocab-1 --pp-offload full "
+            "--calculate-per-token-loss"
         ).split(),
     }
     rows = {}
@@ -298,6 +300,7 @@ def test_train_with_vocab_parallelism_gives_the_same_losses(tmp_path) -> None:
         for got, want in zip(rows[name], rows["none"], strict=True):
             for key in ("loss", "grad_norm"):
                 assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (name, key, rows[name])
+            assert ("offload" in name) == bool(got["offloaded_bytes"]), (name, got)
 
 
 def test_sliced_vocab_parallelism_needs_per_token_loss() -> None:

@@ -831,7 +831,7 @@ class TrainJob:
         parallel_state.destroy_model_parallel()
 
 
-METRICS = ("iteration", "loss", "step_time", "grad_norm", "skipped", "rolled_back")
+METRICS = ("iteration", "loss", "step_time", "grad_norm", "skipped", "rolled_back", "offloaded_bytes")
 
 
 def _init_parallel(settings: TrainSettings) -> None:

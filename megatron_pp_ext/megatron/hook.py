@@ -125,9 +125,9 @@ class PipelineOptions:
         return self.with_offload(schedule)
 
     def with_vocab(self, schedule: Schedule) -> Schedule:
-        """``--pp-vocab-parallel``: the schedule with the vocabulary ops (before offload). The
-        runtime runs them without activation offload, with sequence slices only under
-        ``--calculate-per-token-loss`` (a slice's loss gradient is then known at its forward)."""
+        """``--pp-vocab-parallel``: the schedule with the vocabulary ops (before offload, which
+        moves the chunks' activations and leaves S/T's state alone), with sequence slices only
+        under ``--calculate-per-token-loss`` (a slice's loss gradient is then known at its forward)."""
         if self.vocab_parallel == "none":
             return schedule
         if self.vocab_parallel not in VOCAB_CHOICES:
@@ -139,11 +139,6 @@ class PipelineOptions:
                 f"runs with sequence slices ({schedule.name} with {schedule.slices} slices) only with "
                 "--calculate-per-token-loss (a slice's loss gradient needs the whole microbatch's token "
                 "count otherwise): add it, use an unsliced schedule, or --pp-vocab-parallel none",
-                VOCAB_FLAG,
-            )
-        if self.offload != "none":
-            raise OptionError(
-                "the runtime does not run vocabulary parallelism with --pp-offload yet: use one or the other",
                 VOCAB_FLAG,
             )
         from ..schedule.vocab import VocabError, add_vocab_passes
