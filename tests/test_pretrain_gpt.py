@@ -122,6 +122,7 @@ VP2 = ["--num-virtual-stages-per-pipeline-rank", "2"]
 V_ZB = ["--pp-schedule", "v-zb"]
 TIED = [flag for flag in TINY if flag != "--untie-embeddings-and-output-weights"]
 CP2 = ["--context-parallel-size", "2"]
+TP2_PP2 = [*PP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 SEQ30 = [*TINY, "--seq-length", "30"]  # not 2 x CP pieces of equal length
 MASK = [flag for flag in TINY if flag != "--no-create-attention-mask-in-dataloader"]
 
@@ -278,18 +279,23 @@ def test_train_step_context_parallel_slices_equal_1f1b(
     assert_same_training(run, one_f_one_b, 2e-6, same_sums=False)  # CP ranks hold the same weights
 
 
+@pytest.fixture(scope="module")
+def tp2_one_f_one_b(patched_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Megatron-LM's train_step with 1F1B on TP2 (sequence parallel) x PP2."""
+    return run_driver(patched_tree, tmp_path_factory.mktemp("tp2_one_f_one_b"), "train", 4, TP2_PP2)
+
+
 @pytest.mark.slow
 def test_train_step_tensor_parallel_slices_equal_1f1b(
-    patched_tree: Path, tmp_path: Path, one_f_one_b: list[dict]
+    patched_tree: Path, tmp_path: Path, tp2_one_f_one_b: list[dict]
 ) -> None:
     """TP2 (sequence parallel) x PP2 with Seq1F1B (2 slices): Megatron's get_batch broadcasts
     each slice over TP into buffers sized to the running slice; the losses and weights of 1F1B
     with the same TP2 shards."""
-    flags = [*PP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     sliced = run_driver(
-        patched_tree, tmp_path, "train", 4, [*flags, "--pp-schedule", "seq1f1b", "--pp-seq-slices", "2"]
+        patched_tree, tmp_path, "train", 4, [*TP2_PP2, "--pp-schedule", "seq1f1b", "--pp-seq-slices", "2"]
     )
-    whole = run_driver(patched_tree, tmp_path, "train", 4, flags)
+    whole = tp2_one_f_one_b
     assert any(name.endswith("@tp1") for name in sliced[-1]["weights"]), "no tensor-parallel shards"
     assert_same_training(sliced, whole, 2e-6, same_sums=False)
 
@@ -324,14 +330,15 @@ def test_train_step_vocab_parallel_equals_1f1b(
 
 
 @pytest.mark.slow
-def test_train_step_vocab_parallel_with_tensor_parallelism(patched_tree: Path, tmp_path: Path) -> None:
+def test_train_step_vocab_parallel_with_tensor_parallelism(
+    patched_tree: Path, tmp_path: Path, tp2_one_f_one_b: list[dict]
+) -> None:
     """TP2 (sequence parallel) x PP2, vocab-1 under 1F1B through Megatron-LM's train_step: each
     (pipeline, tensor) rank holds 96 of the 384 rows, the embedding output is reduce-scattered
     over TP as Megatron's embedding does under SP, and TP ranks > 0 read the tokens BCAST_IDS
     needs from their own data iterator (Megatron's get_batch broadcasts from TP rank 0); the
     losses and weights of the same TP2 layout without vocabulary parallelism."""
-    flags = [*PP2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pp-schedule", "1f1b"]
-    split = run_driver(patched_tree, tmp_path, "train", 4, [*flags, "--pp-vocab-parallel", "vocab-1"])
-    whole = run_driver(patched_tree, tmp_path, "train", 4, flags)
+    flags = [*TP2_PP2, "--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-1"]
+    split = run_driver(patched_tree, tmp_path, "train", 4, flags)
     assert any(name.endswith("@tp1") for name in split[-1]["weights"]), "no tensor-parallel shards"
-    assert_same_training(split, whole, 2e-6, same_sums=False)
+    assert_same_training(split, tp2_one_f_one_b, 2e-6, same_sums=False)
