@@ -270,16 +270,19 @@ def test_train_refuses_what_the_runtime_does_not_run(args: list[str], words: str
 @pytest.mark.slow
 def test_train_with_vocab_parallelism_gives_the_same_losses(tmp_path) -> None:
     """2 iterations at PP=2 against 1F1B without vocabulary parallelism (same global batch):
-    vocab-1 with 1F1B; vocab-2 with V-Half over DP=2 with the distributed optimizer, overlapped
-    gradient reduction (the shards go through Megatron's DDP like any parameter) and selective
-    activation offload; vocab-1 with SlimPipe k=2, full offload and --calculate-per-token-loss.
-    Same losses and gradient norms, and the offloading runs moved bytes to the host."""
+    vocab-1 with ZB-H1 and optimizer post-validation; vocab-2 with V-Half over DP=2 with the
+    distributed optimizer, overlapped gradient reduction (the shards go through Megatron's DDP
+    like any parameter) and selective activation offload; vocab-1 with SlimPipe k=2, full offload
+    and --calculate-per-token-loss. Same losses and gradient norms, and the offloading runs moved
+    bytes to the host."""
     import json
 
     common = ["--pipeline-model-parallel-size", "2", "--train-iters", "2", "--global-batch-size", "8"]
     runs = {
         "none": ["--pp-schedule", "1f1b"],
-        "vocab-1": ["--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-1"],
+        "vocab-1-zbh1-post-validation": (
+            "--pp-schedule zb-h1 --pp-vocab-parallel vocab-1 --pp-post-validation"
+        ).split(),
         "vocab-2-vhalf-dp2-offload": (
             "--pp-schedule v-half --pp-vocab-parallel vocab-2 --data-parallel-size 2 "
             "--use-distributed-optimizer --overlap-grad-reduce --pp-offload selective"

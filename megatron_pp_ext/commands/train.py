@@ -323,9 +323,8 @@ def check(settings: TrainSettings) -> None:
 
 def _check_vocab(settings: TrainSettings) -> None:
     """``--pp-vocab-parallel`` with what the runtime runs it with (exact against the run without):
-    CP = 1 (TP and sequence parallelism are fine), sequence slices only with per-token loss, no
-    post-validation. Offload is refused by the schedule options. Checkpoints hold the shards as
-    Megatron's own tables (``megatron/checkpoint.py``)."""
+    CP = 1 (TP, sequence and data parallelism, offload, checkpoints and post-validation are
+    fine), sequence slices only with per-token loss."""
     variant = settings.pipeline.vocab_parallel
     if variant == "none":
         return
@@ -336,16 +335,11 @@ def _check_vocab(settings: TrainSettings) -> None:
             "gradient needs the whole microbatch's token count otherwise): add it, or use an "
             "unsliced schedule",
         )
-    refused = (
-        (settings.cp > 1, "--context-parallel-size > 1"),
-        (settings.post_validation, "--pp-post-validation"),
-    )
-    for bad, what in refused:
-        if bad:
-            raise UsageError(
-                "--pp-vocab-parallel",
-                f"{variant} is not supported with {what} yet: drop one of them",
-            )
+    if settings.cp > 1:
+        raise UsageError(
+            "--pp-vocab-parallel",
+            f"{variant} is not supported with --context-parallel-size > 1 yet: drop one of them",
+        )
 
 
 def _check_parallel(settings: TrainSettings, model: Any) -> None:
