@@ -6,7 +6,9 @@ model provider set up: initialised and reported as the tables of a run without i
 Run as ``torchrun --nproc-per-node N tests/megatron_lm_driver.py MODE OUT -- <pretrain_gpt.py
 flags>`` with the patched Megatron-LM tree on PYTHONPATH. MODE ``chunks`` writes, per rank, what
 each chunk Megatron built holds; MODE ``train`` runs ``train_iters`` train steps and writes the
-losses Megatron's ``train_step`` reports and the final weights by global name.
+losses Megatron's ``train_step`` reports and the final weights by global name; MODE ``save`` does
+the same, then Megatron-LM's ``save_checkpoint``; MODE ``load`` runs Megatron-LM's
+``load_checkpoint`` and writes the weights it loaded.
 
 The CPU shim (test-only; Megatron-LM's training package assumes CUDA in these places, none of
 which the patch touches):
@@ -30,6 +32,12 @@ which the patch touches):
    interpreter) into the tree, and the driver skips the ``make`` once they import.
 7. ``validate_args`` asks ``torch.cuda`` for the device's compute capability under TP or CP > 1
    (to require CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell): answered as a Blackwell device.
+8. MODE ``save``: ``save_checkpoint`` reads ``torch.cuda.get_rng_state()`` even with
+   --no-save-rng (answered with an empty state), and its ``torch_dist`` writer forks CUDA-syncing
+   writer processes: the plugin's in-process DCP writer of the same format is used
+   (``megatron_pp_ext.megatron.checkpoint._save_strategy``).
+9. MODE ``load``: ``load_checkpoint`` reads the tracker file through a CUDA all-reduce: the tracker
+   is set aside while it loads ``--ckpt-step``.
 Plus ``megatron_pp_ext.megatron.cpu_shim`` (torch.cuda.current_device -> CPU, no-op RNG tracker).
 """
 
@@ -164,6 +172,40 @@ def sharded_tensors(chunk: torch.nn.Module) -> list[list]:
     ]
 
 
+def megatron_save(args: argparse.Namespace, model: list) -> None:
+    """Megatron-LM's ``save_checkpoint`` of the model (run with --no-save-optim --no-save-rng
+    --no-ckpt-fully-parallel-save: the optimizer is shim 4's), in its ``torch_dist`` format."""
+    from megatron.training import checkpointing
+
+    from megatron_pp_ext.megatron.checkpoint import _save_strategy
+
+    checkpointing.get_default_save_sharded_strategy = lambda *_, **__: _save_strategy()  # shim 8
+    torch.cuda.get_rng_state = lambda *_, **__: torch.empty(0, dtype=torch.uint8)  # shim 8
+    checkpointing.save_checkpoint(args.train_iters, model, None, None, 0)
+
+
+def megatron_load(args: argparse.Namespace, model: list) -> None:
+    """Megatron-LM's ``load_checkpoint`` of ``--ckpt-step`` (run with --no-load-optim
+    --no-load-rng). Shim 9: its tracker reader all-reduces a CUDA tensor, so the tracker file is
+    set aside while it loads (``--ckpt-step`` names the iteration instead)."""
+    import os
+
+    from megatron.training import checkpointing
+
+    tracker = checkpointing.get_checkpoint_tracker_filename(args.load)
+    aside = tracker + ".aside"
+    dist.barrier()
+    if dist.get_rank() == 0 and os.path.exists(tracker):
+        os.rename(tracker, aside)
+    dist.barrier()
+    try:
+        checkpointing.load_checkpoint(model, None, None, strict=True)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0 and os.path.exists(aside):
+            os.rename(aside, tracker)
+
+
 def initialize(argv: list[str]) -> None:
     from megatron.core import parallel_state
 
@@ -228,7 +270,13 @@ def main() -> None:
     model = get_model(provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
     result: dict = {"chunks": chunk_summary(model)}
     vocab = pp_ext.setup(args).vocab  # --pp-vocab-parallel: set while get_model built the chunks
-    if mode == "train":
+    if mode == "load":  # Megatron-LM's own load_checkpoint (args.load, --ckpt-step), no training
+        model = wrap_chunks(model, DistributedDataParallelConfig())  # shim 2
+        megatron_load(args, model)
+        result["weights"] = {
+            name: param.detach().double().tolist() for name, param in named_global_params(model).items()
+        }
+    if mode in ("train", "save"):
         init_by_name(model)
         if vocab is not None:
             init_vocab_by_name(vocab)
@@ -257,6 +305,8 @@ def main() -> None:
             )
             losses.append({key: float(value) for key, value in loss.items()})
         result["losses"] = losses
+        if mode == "save":  # then Megatron-LM's own save_checkpoint (args.save)
+            megatron_save(args, model)
         result["weights"] = {
             name: param.detach().double().tolist()
             for name, param in named_global_params(model).items()
