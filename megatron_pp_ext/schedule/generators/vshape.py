@@ -95,6 +95,11 @@ def repeat_block(block: Block, pp: int, microbatches: int, slices: int) -> list[
     return [[op for _, op in sorted(ops, key=lambda item: item[0])] for ops in timed]
 
 
+def _first(ready: list[Op], kind: OpKind) -> Op | None:
+    """The first ready op of ``kind`` (ready ops come in the list scheduler's order)."""
+    return next((op for op in ready if op.kind == kind), None)
+
+
 class FollowBlock:
     """Follow the repeated block. When the next planned op is not ready, the slot takes a ready B,
     else a ready F (the up leg's first) while the rank holds fewer than ``cap`` stage-units from F
@@ -130,44 +135,37 @@ class FollowBlock:
             return self._choose_loose(view, ready)
         planned = self._next_planned(view.rank)
         room = view.in_flight + 1 <= self.cap + 1e-9
-        if planned is not None and planned.kind == OpKind.W and (room or self._draining(view)):
-            for op in ready:
-                if op.kind == OpKind.B:
-                    return op
+        backward = _first(ready, OpKind.B)
+        overtakes = planned is not None and planned.kind == OpKind.W and (room or self._draining(view))
+        if overtakes and backward is not None:
+            return backward
         if planned in ready:
             return planned
-        for op in ready:
-            if op.kind == OpKind.B:
-                return op
-        if room:
-            for op in sorted((op for op in ready if op.kind == OpKind.F), key=lambda op: -op.stage):
-                return op
-        for op in ready:
-            if op.kind == OpKind.W:
-                return op
-        return None
+        if backward is not None:
+            return backward
+        forwards = [op for op in ready if op.kind == OpKind.F]
+        if room and forwards:
+            return max(forwards, key=lambda op: op.stage)  # the up leg's first
+        return _first(ready, OpKind.W)
 
     def _choose_loose(self, view: RankView, ready: list[Op]) -> Op | None:
         """The first V-Min rule: a ready B overtakes a planned W, an idle slot takes a B or an
         up-leg F, and a new down-leg F only while the memory counted with B freeing part of the
         activation (:attr:`RankView.memory`) stays under the cap."""
         planned = self._next_planned(view.rank)
-        if planned is not None and planned.kind == OpKind.W:
-            for op in ready:
-                if op.kind == OpKind.B:
-                    return op
+        backward = _first(ready, OpKind.B)
+        if planned is not None and planned.kind == OpKind.W and backward is not None:
+            return backward
         if planned in ready:
             return planned
         for op in ready:
             if op.kind == OpKind.B or (op.kind == OpKind.F and op.stage >= self.pp):
                 return op
-        for op in ready:
-            if op.kind == OpKind.F and view.memory + 1 <= self.cap + 1e-9:
-                return op
-        for op in ready:
-            if op.kind == OpKind.W:
-                return op
-        return None
+        if view.memory + 1 <= self.cap + 1e-9:
+            forward = _first(ready, OpKind.F)
+            if forward is not None:
+                return forward
+        return _first(ready, OpKind.W)
 
     def __call__(self, view: RankView, ready: list[Op]) -> Op | None:
         choice = self._choose(view, ready)
