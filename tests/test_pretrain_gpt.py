@@ -300,16 +300,37 @@ def test_train_step_tensor_parallel_slices_equal_1f1b(
     assert_same_training(sliced, whole, 2e-6, same_sums=False)
 
 
+@pytest.fixture(scope="module")
+def v_half_vocab_saved(
+    patched_tree: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[dict], Path]:
+    """2 train steps of V-Half with --pp-vocab-parallel vocab-2 on PP2, then Megatron-LM's own
+    save_checkpoint (model only: the optimizer is the driver's shim): the run and its checkpoint."""
+    root = tmp_path_factory.mktemp("v_half_vocab")
+    checkpoint = root / "checkpoint"
+    run = run_driver(
+        patched_tree,
+        root,
+        "save",
+        2,
+        [
+            *PP2, *VP2, "--pp-schedule", "v-half", "--pp-vocab-parallel", "vocab-2",
+            "--save", str(checkpoint), "--save-interval", "100",
+            "--no-save-optim", "--no-save-rng", "--no-ckpt-fully-parallel-save",
+        ],
+    )  # fmt: skip
+    return run, checkpoint
+
+
 @pytest.mark.slow
 def test_train_step_vocab_parallel_equals_1f1b(
-    patched_tree: Path, tmp_path: Path, one_f_one_b: list[dict]
+    v_half_vocab_saved: tuple[list[dict], Path], one_f_one_b: list[dict]
 ) -> None:
     """--pp-vocab-parallel vocab-2 under V-Half through Megatron-LM's get_model and train_step:
     the model provider puts each rank's shard of Megatron's padded vocabulary (384 rows, 192 per
     rank) on chunk 0 before DDP, the runtime runs S/T and their collectives; 1F1B's losses and
     weights (the shards gathered into the embedding and output tables)."""
-    flags = [*PP2, *VP2, "--pp-schedule", "v-half", "--pp-vocab-parallel", "vocab-2"]
-    run = run_driver(patched_tree, tmp_path, "train", 2, flags)
+    run, _ = v_half_vocab_saved
 
     def saved(ranks: list[dict]) -> dict[str, set]:
         """What Megatron-LM's save_checkpoint writes: key -> {(global offset, global shape)}."""
@@ -345,24 +366,15 @@ def test_train_step_vocab_parallel_with_tensor_parallelism(
 
 
 @pytest.mark.slow
-def test_megatron_save_checkpoint_loads_under_another_schedule(patched_tree: Path, tmp_path: Path) -> None:
+def test_megatron_save_checkpoint_loads_under_another_schedule(
+    patched_tree: Path, tmp_path: Path, v_half_vocab_saved: tuple[list[dict], Path]
+) -> None:
     """Megatron-LM's own save_checkpoint and load_checkpoint (torch_dist) with our placement:
     saved after 2 train steps under V-Half with vocabulary parallelism (V placement, chunk 1 of
     rank r holding stage 2p-1-r; the shards writing rows of Megatron's tables), loaded under 1F1B
     without vocabulary parallelism: every weight bitwise the saved one (the loading run starts
     from Megatron's own initialisation, so nothing matches unless it was loaded)."""
-    checkpoint = tmp_path / "checkpoint"
-    saved = run_driver(
-        patched_tree,
-        tmp_path,
-        "save",
-        2,
-        [
-            *PP2, *VP2, "--pp-schedule", "v-half", "--pp-vocab-parallel", "vocab-2",
-            "--save", str(checkpoint), "--save-interval", "100",
-            "--no-save-optim", "--no-save-rng", "--no-ckpt-fully-parallel-save",
-        ],
-    )  # fmt: skip
+    saved, checkpoint = v_half_vocab_saved
     assert (checkpoint / "iter_0000002").is_dir()
     assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     loaded = run_driver(
