@@ -66,6 +66,29 @@ class LossRecord:
     slices: dict[int, SliceLosses] = field(default_factory=dict)  # microbatch -> its slices so far
 
 
+def _list_slice_output(
+    microbatch: int, output: Any, loss_func: Callable[..., Any] | None, losses: LossRecord
+) -> None:
+    """Without a loss (or collecting non-loss data): a slice's output, or its non-loss data, listed."""
+    value = output if loss_func is None else loss_func(output, non_loss_data=True)
+    losses.outputs.setdefault(microbatch, []).append(value)
+
+
+def _add_slice_report(microbatch: int, result: Any, losses: LossRecord) -> tuple[Any, SliceLosses]:
+    """A slice's ``loss_func`` result added to its microbatch's: (the slice's raw loss, the parts)."""
+    loss, num_tokens, report = sliced_loss(result)
+    parts = losses.slices.setdefault(microbatch, SliceLosses())
+    parts.add(num_tokens, report)
+    losses.num_tokens = losses.num_tokens + num_tokens
+    return loss, parts
+
+
+def _close_slice_report(microbatch: int, parts: SliceLosses, losses: LossRecord) -> None:
+    """All slices in: the microbatch's one report (their reports summed)."""
+    losses.outputs[microbatch] = combine_reports(parts.reports)
+    del losses.slices[microbatch]
+
+
 @dataclass
 class _Unit:
     input: Tensor | None
@@ -210,16 +233,11 @@ class StageRunner:
             return
         microbatch = key[0]  # a slice (T runs them in any order): one report once all are in
         if loss_func is None or collect_non_loss_data:
-            value = per_token if loss_func is None else loss_func(per_token, non_loss_data=True)
-            losses.outputs.setdefault(microbatch, []).append(value)
+            _list_slice_output(microbatch, per_token, loss_func, losses)
             return
-        _, num_tokens, report = sliced_loss(loss_func(per_token))
-        parts = losses.slices.setdefault(microbatch, SliceLosses())
-        parts.add(num_tokens, report)
-        losses.num_tokens = losses.num_tokens + num_tokens
+        _, parts = _add_slice_report(microbatch, loss_func(per_token), losses)
         if len(parts.reports) == self.num_slices:
-            losses.outputs[microbatch] = combine_reports(parts.reports)
-            del losses.slices[microbatch]
+            _close_slice_report(microbatch, parts, losses)
 
     def _loss(
         self,
@@ -259,16 +277,11 @@ class StageRunner:
         microbatch, index = key
         last = index == self.num_slices - 1
         if loss_func is None or collect_non_loss_data:
-            value = output if loss_func is None else loss_func(output, non_loss_data=True)
-            losses.outputs.setdefault(microbatch, []).append(value)
+            _list_slice_output(microbatch, output, loss_func, losses)
             return output, None
-        loss, num_tokens, report = sliced_loss(loss_func(output))
-        parts = losses.slices.setdefault(microbatch, SliceLosses())
-        parts.add(num_tokens, report)
-        losses.num_tokens = losses.num_tokens + num_tokens
+        loss, parts = _add_slice_report(microbatch, loss_func(output), losses)
         if last:
-            losses.outputs[microbatch] = combine_reports(parts.reports)
-            del losses.slices[microbatch]
+            _close_slice_report(microbatch, parts, losses)
         per_token = getattr(self.config, "calculate_per_token_loss", False)
         if last and self.cp_group is not None and not per_token:
             parts.total = tokens_on_all_cp_ranks(parts.num_tokens, self.cp_group, loss.device)
