@@ -280,65 +280,66 @@ def placed_model_provider(provider: Callable[..., Any]) -> Callable[..., Any]:
 
             enable_slicing(model)
         if (getattr(args, "pp_vocab_parallel", None) or "none") != "none":
-            _place_vocabulary(model, stage, vp_stage or 0, layout, args)
+            _place_vocabulary(model, vp_stage or 0, layout, args)
         return model
 
     return build
 
 
-def _place_vocabulary(chunk: Any, stage: int, chunk_index: int, layout: Placement, args: Any) -> None:
+def _place_vocabulary(chunk: Any, chunk_index: int, layout: Placement, args: Any) -> None:
     """``--pp-vocab-parallel``, while Megatron's ``get_model`` builds this rank's chunks (before it
-    wraps them in DDP, so the shard's parameters are chunk 0's like any other): chunk 0 gets this
-    rank's :class:`VocabParallel` shard of Megatron's padded vocabulary, the first stage's chunk
-    an embedding feed and the last stage's an output capture in place of their full tables. Once
-    every chunk of every rank is built, the tables Megatron initialised (this TP rank's shard) go
-    from the first stage's rank and the last stage's to every pipeline rank, which keeps its rows:
-    the shards start from the model a run without vocabulary parallelism starts from."""
+    wraps them in DDP, so the shard's parameters are chunk 0's like any other). Once this rank's
+    chunks are built, :func:`setup_vocab_parallel` gives chunk 0 this rank's shard of Megatron's
+    padded vocabulary and the first and last stages an embedding feed and an output capture in
+    place of their full tables; the tables Megatron initialised (this TP rank's part) go from the
+    first stage's rank and the last stage's to every pipeline rank, which keeps its rows: the
+    shards start from the model a run without vocabulary parallelism starts from."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..runtime.vocab_ops import VocabSetup
-    from ..runtime.vocab_parallel import VocabParallel, install_embedding_feed, install_output_capture
+    from ..runtime.vocab_ops import setup_vocab_parallel
 
-    pieces = _state.setdefault("vocab_pieces", {})
-    last = layout.num_stages - 1
-    loss_rank = layout.rank_of(last)
-    weight = next(chunk.parameters())
+    chunks = _state.setdefault("vocab_chunks", [])
     if chunk_index == 0:
-        pieces.clear()
-        pieces["vp"] = VocabParallel(
-            args.padded_vocab_size,
-            args.hidden_size,
-            variant=args.pp_vocab_parallel,
-            loss_rank=loss_rank,
-            sequence_parallel=bool(args.sequence_parallel),
-            dtype=weight.dtype,
-            device=weight.device,
-        )
-        chunk.vocab_parallel = pieces["vp"]
-    if stage == 0:
-        pieces["embedding"] = chunk.embedding.word_embeddings.weight.detach()
-        pieces["feed"] = install_embedding_feed(chunk)
-    if stage == last:
-        pieces["output"] = chunk.output_layer.weight.detach()
-        pieces["capture"] = install_output_capture(chunk)
+        chunks.clear()
+    chunks.append(chunk)
     if chunk_index < len(layout.stages_of(0)) - 1:
         return
-    vp: VocabParallel = pieces["vp"]
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    stages = layout.stages_of(rank)
+    last = layout.num_stages - 1
+    weight = next(chunks[0].parameters())
+    held = {  # Megatron's tables on this rank, taken before the feed and the capture drop them
+        "embedding": chunks[layout.chunk_index(0)].embedding.word_embeddings.weight.detach()
+        if 0 in stages
+        else None,
+        "output": chunks[layout.chunk_index(last)].output_layer.weight.detach() if last in stages else None,
+    }
+    vocab = setup_vocab_parallel(
+        chunks,
+        layout,
+        rank,
+        args.padded_vocab_size,
+        args.hidden_size,
+        args.pp_vocab_parallel,
+        sequence_parallel=bool(args.sequence_parallel),
+        dtype=weight.dtype,
+        device=weight.device,
+    )
     group = parallel_state.get_pipeline_model_parallel_group()
     rows = args.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
     tables = {}
-    for name, source in (("embedding", 0), ("output", loss_rank)):
-        table = pieces.get(name)
+    for name, source in (("embedding", 0), ("output", layout.rank_of(last))):
+        table = held[name]
         if table is None:
             table = torch.empty(rows, args.hidden_size, dtype=weight.dtype, device=weight.device)
         table = table.contiguous()
         dist.broadcast(table, src=dist.get_global_rank(group, source), group=group)
         tables[name] = table
-    vp.load_tp_shards(embedding=tables["embedding"], output=tables["output"])
-    setup(args).vocab = VocabSetup(vp, pieces.get("feed"), pieces.get("capture"), 0)
-    pieces.clear()
+    vocab.vp.load_tp_shards(embedding=tables["embedding"], output=tables["output"])
+    setup(args).vocab = vocab
+    chunks.clear()
 
 
 @contextlib.contextmanager
