@@ -103,10 +103,14 @@ def init_by_name(model: list) -> None:
     the same tensor-parallel size: each shard draws from its own name)."""
     with torch.no_grad():
         for name, param in named_global_params(model).items():
-            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            value = 1.0 + 0.1 * noise if "norm" in name else 0.05 * noise
-            param.copy_(value.to(param.dtype))
+            param.copy_(value_by_name(name, param.shape).to(param.dtype))
+
+
+def value_by_name(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 value :func:`init_by_name` gives the parameter of this global name."""
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+    return 1.0 + 0.1 * noise if "norm" in name else 0.05 * noise
 
 
 def init_vocab_by_name(vocab: object) -> None:
@@ -116,12 +120,11 @@ def init_vocab_by_name(vocab: object) -> None:
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     rows = vocab.vp.partition.vocab_size // parallel_state.get_tensor_model_parallel_world_size()
-    tables = {}
-    for which, name in (("embedding", "embedding.word_embeddings.weight"), ("output", "output_layer.weight")):
-        generator = torch.Generator().manual_seed(zlib.crc32(f"{name}@tp{tp_rank}".encode()))
-        noise = torch.randn((rows, vocab.vp.hidden_size), generator=generator, dtype=torch.float32)
-        tables[which] = 0.05 * noise
-    vocab.vp.load_tp_shards(**tables)
+    shape = (rows, vocab.vp.hidden_size)
+    vocab.vp.load_tp_shards(
+        embedding=value_by_name(f"embedding.word_embeddings.weight@tp{tp_rank}", shape),
+        output=value_by_name(f"output_layer.weight@tp{tp_rank}", shape),
+    )
 
 
 def vocab_weights(vocab: object) -> dict[str, list]:
