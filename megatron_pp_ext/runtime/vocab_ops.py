@@ -206,12 +206,7 @@ class VocabStep:
         self._demb_grads: dict[Key, Tensor] = {}
         self._demb: list[tuple[Pending[Any], Pending[Any]]] = []
         self._unwaited: list[tuple[Pending[Any], list[Hold]]] = []  # results nobody here needs
-
-    # ---- dispatch -------------------------------------------------------------------------------
-
-    def run(self, op: Op) -> None:
-        """Run one vocabulary op (issue a collective, or compute S / T)."""
-        handlers = {
+        self._handlers: dict[OpKind, Callable[[Op, Key], None]] = {
             OpKind.BCAST_X: self._bcast_x,
             OpKind.S: self._s,
             OpKind.REDUCE_S: self._reduce_s,
@@ -221,7 +216,12 @@ class VocabStep:
             OpKind.REDUCE_EMB: self._reduce_emb,
             OpKind.BCAST_DEMB: self._bcast_demb,
         }
-        handlers[op.kind](op, (op.microbatch, op.slice))
+
+    # ---- dispatch -------------------------------------------------------------------------------
+
+    def run(self, op: Op) -> None:
+        """Run one vocabulary op (issue a collective, or compute S / T)."""
+        self._handlers[op.kind](op, (op.microbatch, op.slice))
         self._reap()
 
     # ---- hooks of the pipeline's own ops ---------------------------------------------------------
