@@ -9,8 +9,16 @@ import pytest
 
 from megatron_pp_ext.cli import main
 from megatron_pp_ext.schedule.costs import UniformCosts
+from megatron_pp_ext.schedule.gate import validation_gate
 from megatron_pp_ext.schedule.generators import generate
-from megatron_pp_ext.schedule.iterations import optimizer_steps, simulate_iterations
+from megatron_pp_ext.schedule.ir import Schedule
+from megatron_pp_ext.schedule.iterations import (
+    completion_order,
+    gate_positions,
+    optimizer_steps,
+    simulate_iterations,
+)
+from megatron_pp_ext.schedule.lowering import insert_offload, lower
 from megatron_pp_ext.schedule.simulate import simulate
 
 
@@ -54,13 +62,84 @@ def test_1f1b_gains_nothing() -> None:
     assert post.period == pytest.approx(sync.period) == pytest.approx(33.0)  # 3m + 3(p-1) with BW=2
 
 
-def test_the_runtimes_choices_keep_zb_h2s_bubble() -> None:
-    """Partial state down from rank p-1 (what post_validation.py passes), or waiting for the
-    global norm after the step (what MainGradOptimizer does): the barrier stays."""
+def test_the_comparison_modes_keep_zb_h2s_bubble() -> None:
+    """Partial state down from rank p-1 (against ZB-H2's completion order), or waiting for the
+    global norm inside the step: the barrier stays. The runtime's order (auto) is the paper's."""
     sync = run("zb-h2", "sync")
     assert run("zb-h2", "post-validation", chain="down").period == pytest.approx(sync.period)
     assert run("zb-h2", "post-validation-wait").period == pytest.approx(sync.period)
     assert run("zb-h2", "post-validation", chain="up").period < sync.period
+    assert run("zb-h2", "post-validation").chain == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "name, chain",
+    [("zb-h2", [0, 1, 2, 3]), ("v-zb", [0, 1, 2, 3]), ("1f1b", [3, 2, 1, 0]), ("zb-h1", [3, 2, 1, 0])],
+)
+def test_completion_order_is_the_auto_chain(name: str, chain: list[int]) -> None:
+    """train passes the partial state in completion_order: the simulator's auto chain."""
+    assert completion_order(generate(name, 4, 8)) == chain
+    assert run(name, "post-validation").chain == chain
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (8, 24)])
+@pytest.mark.parametrize("name", ["zb-h2", "v-zb"])
+def test_the_gate_does_not_bind_without_reduce_time(name: str, p: int, m: int) -> None:
+    """With the all-reduce free, every gate op waits for a forward of the rank that ended last,
+    which starts after the all-reduce anyway: 3m per iteration, gates in place (not at 0)."""
+    schedule = generate(name, p, m)
+    result = simulate_iterations(schedule, iterations=3, optimizer="post-validation", reduce_time=0.0)
+    assert result.gate_positions == validation_gate(lower(schedule)).positions
+    assert min(result.gate_positions) > 0
+    assert result.period == pytest.approx(3 * m)
+    assert result.gates[1] == [max(end for _, end in result.steps[0])] * p  # opens at iteration 1's end
+
+
+def test_the_gate_binds_when_the_all_reduce_is_slow() -> None:
+    """ZB-H2 p=4 m=8: rank 3's first B comes one F after its start, so a global all-reduce of 5
+    holds it at the gate (4 units later): the period grows by 4, still below sync's (+5)."""
+    post = run("zb-h2", "post-validation", reduce_time=5.0)
+    sync = run("zb-h2", "sync", reduce_time=5.0)
+    assert 24.0 < post.period <= sync.period
+    assert post.period == pytest.approx(28.0) and sync.period == pytest.approx(32.0)
+    gate = post.gates[1][3]
+    assert gate == pytest.approx(max(end for _, end in post.steps[0]) + 5.0)
+    first_b = next(e for e in post.runs[1].events if e.rank == 3 and e.op.kind.value == "B")
+    assert first_b.start == pytest.approx(gate)  # exactly at the gate: it bound
+    assert all(e.start >= gate - 1e-9 for e in post.runs[1].events if e.op.kind.value != "F")
+    # below the slack nothing changes
+    assert run("zb-h2", "post-validation", reduce_time=1.0).period == pytest.approx(24.0)
+
+
+def test_post_validation_hides_the_all_reduce_under_1f1b() -> None:
+    """1F1B's ranks restart together, but their first backward is far enough into the next
+    iteration that a short global all-reduce is over before any rank reaches its gate."""
+    sync, post = run("1f1b", "sync", reduce_time=2.0), run("1f1b", "post-validation", reduce_time=2.0)
+    assert sync.period == pytest.approx(35.0)
+    assert post.period == pytest.approx(33.0)
+
+
+@pytest.mark.parametrize("schedule", [insert_offload(generate("zb-h2", 4, 8)), generate("zb-h2", 4, 8)])
+def test_gate_at_the_start_is_the_wait_for_the_global_norm(schedule: Schedule) -> None:
+    """Activation copies (and vocabulary ops, attention redistribution) put the gate before the
+    first op, as the runtime does: the next iteration waits for the global check, like a step
+    that waits for it; only the step itself overlaps."""
+    at_start = None if schedule.offloads else True
+    kwargs = {"iterations": 3, "reduce_time": 2.0, "optimizer_time": 1.0}
+    post = simulate_iterations(schedule, optimizer="post-validation", gate_at_start=at_start, **kwargs)
+    wait = simulate_iterations(schedule, optimizer="post-validation-wait", **kwargs)
+    sync = simulate_iterations(schedule, optimizer="sync", **kwargs)
+    assert post.gate_positions == [0, 0, 0, 0]
+    assert post.period == pytest.approx(wait.period)
+    assert post.period < sync.period  # the step overlaps the all-reduce
+    assert gate_positions(schedule, at_start) == [0, 0, 0, 0]
+
+
+def test_the_first_iteration_has_no_gate() -> None:
+    schedule = generate("zb-h2", 4, 8)
+    result = simulate_iterations(schedule, iterations=1, optimizer="post-validation", reduce_time=50.0)
+    assert result.gates == [[0.0] * 4]
+    assert result.makespan == pytest.approx(simulate(schedule).makespan)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h2", "v-zb"])
@@ -101,6 +180,8 @@ def test_cli_iterations(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "synchronous optimizer: per iteration 27 (steady)" in out
     assert "post-validation: per iteration 24 (steady)" in out
+    assert "waiting for the global norm in the step: per iteration 27 (steady)" in out
+    assert "train today" not in out
     assert (
         main(["simulate", "--schedule", "zb-h2", "--iterations", "3", "--pp-post-validation", "--json"]) == 0
     )

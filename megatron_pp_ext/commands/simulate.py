@@ -137,15 +137,17 @@ def add_iteration_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--pp-post-validation",
         action="store_true",
-        help="also with Zero Bubble's optimizer post-validation (each rank steps on the partial "
-        "gradient state; no wait for the global norm), next to the synchronous step",
+        help="also with Zero Bubble's optimizer post-validation as train runs it (each rank steps on "
+        "the partial gradient state; its next iteration waits for the global check only at its "
+        "validation gate), next to the synchronous step and a step that waits for the global norm",
     )
     group.add_argument(
         "--pp-post-validation-chain",
         choices=("auto", "up", "down"),
         default="auto",
-        help="order of the partial state: by iteration end (auto), rank 0 to p-1 (up, the paper's) "
-        "or p-1 to 0 (down, the runtime's today)",
+        help="order of the partial state: by iteration end (auto; train uses it until it has timed "
+        "the ranks, and with --pp-post-validation-chain auto), rank 0 to p-1 (up, the paper's) or "
+        "p-1 to 0 (down)",
     )
     group.add_argument(
         "--optimizer-time", type=float, default=0.0, help="one optimizer step (same unit as --costs)"
@@ -162,7 +164,8 @@ def iterations_of(
     args: argparse.Namespace, schedule: Schedule, model: CostModel
 ) -> dict[str, IterationsResult]:
     """The N-iteration runs the flags ask for: sync, and with --pp-post-validation post-validation
-    and the runtime's variant that waits for the global state (empty without either flag)."""
+    (the runtime's, with its gate) and, for comparison, a step that waits for the global state
+    (empty without either flag)."""
     count = getattr(args, "iterations", 1)
     post = getattr(args, "pp_post_validation", False)
     if count == 1 and not post:
@@ -205,7 +208,7 @@ def iterations_summary(runs: dict[str, IterationsResult]) -> str:
     labels = {
         "sync": "synchronous optimizer",
         "post-validation": "post-validation",
-        "post-validation-wait": "post-validation, waiting for the global norm (train today)",
+        "post-validation-wait": "post-validation, waiting for the global norm in the step",
     }
     first = next(iter(runs.values()))
     lines = [f"{first.iterations} iterations back to back (optimizer step {first.optimizer_time:g}):"]

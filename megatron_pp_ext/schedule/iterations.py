@@ -6,42 +6,62 @@ decided by the optimizer step, which needs the global gradient norm and NaN/inf 
 
 ``sync``
     Every rank issues the all-reduce of its gradient state when its last op of the iteration is
-    done; the all-reduce completes ``reduce_time`` after the LAST rank issued it; then every rank
-    steps (``optimizer_time``) and starts its next iteration. All ranks restart together, so the
-    pipeline's fill (and drain) repeats at every boundary.
+    done; the all-reduce completes ``reduce_time`` after the LAST rank issued it (``reduced``);
+    then every rank steps (``optimizer_time``) and starts its next iteration. All ranks restart
+    together, so the pipeline's fill (and drain) repeats at every boundary.
 ``post-validation``
-    Zero Bubble, section 4, the partial reduction as ``megatron/post_validation.py`` does it: the
-    partial state travels along a chain of ranks; a rank receives the partial state of the ranks
-    before it in the chain (one p2p hop, ``hop_time``, after its predecessor had it), adds its own
-    once its last op is done, passes it on and steps at once. Its next iteration starts right
-    after its own step; the global check completes in the background and only rolls back on
-    failure, modelled as not happening.
+    Zero Bubble, section 4, as ``train --pp-post-validation`` runs it (``megatron/post_validation.py``):
+    every rank issues the global all-reduce when its iteration ends (complete at ``reduced``, as
+    in ``sync``); the partial state travels along a chain of ranks; a rank receives the partial
+    state of the ranks before it in the chain (one p2p hop, ``hop_time``, after its predecessor
+    had it), adds its own once its last op is done, passes it on and steps at once. Its next
+    iteration starts right after its own step, up to its *validation gate*
+    (``schedule/gate.py``: its first op that is not a forward, moved earlier to a consistent
+    cut): the op there cannot start before the previous iteration's ``reduced``, when the
+    global check arrives. Steps with activation copies, vocabulary ops or attention
+    redistribution take the gate at position 0, before any op, as the runtime does. A failed
+    check (a rollback and a restart of the iteration) is modelled as not happening.
 
-    The chain's direction matters. ``down`` (rank p-1 to rank 0) is what the runtime does today;
-    it suits 1F1B, whose last rank finishes first. Under ZB-H2 rank 0 finishes first and rank p-1
-    last, so ``down`` makes rank 0 wait for rank p-1 and nothing is gained; ``up`` (rank 0 to
-    p-1) is the paper's direction. ``auto`` (default) takes the ranks in the order their first
-    iteration ends (ties: ``down``'s order), a static order a runtime could read from the schedule.
+    The chain's direction matters. ``auto`` (default) takes the ranks in the order their first
+    iteration ends (ties: higher rank first): :func:`completion_order`, the chain the runtime
+    passes the partial state along. Under ZB-H2 and V-ZB that is rank 0 to p-1 (``up``, the
+    paper's direction), under 1F1B and ZB-H1 p-1 to 0 (``down``); the fixed directions are kept
+    for comparison (``down`` under ZB-H2 makes rank 0 wait for rank p-1: nothing is gained).
 ``post-validation-wait``
-    What ``MainGradOptimizer._validated_step`` does today: the optimistic step as above, but the
-    step returns only after ``pending.wait()``, i.e. the next iteration also waits for the global
-    all-reduce (as in ``sync``). Only the step itself overlaps the wait; the barrier stays.
+    A comparison, not what ``train`` does: the optimistic step as above, but the step returns
+    only after the global all-reduce completed, i.e. every rank's next iteration starts no
+    earlier than ``reduced`` (as in ``sync``; the same as a gate at position 0). Only the step
+    itself overlaps the wait; the barrier stays.
 
 How the timeline is built (exact for ``simulate.py``'s semantics, which is left untouched): the
 ops of one iteration depend on the previous iteration only through each rank's order, i.e. a
 rank's first op of iteration i+1 cannot start before the rank's optimizer step of iteration i
-ended. So iteration i+1 is the single-iteration replay with each rank's clock starting at that
-time instead of 0. :func:`simulate` has no start-time argument, so each rank's op list gets a
-marker pair first: a SEND and its own RECV of a message no other op uses (negative microbatch id),
-whose latency (a cost-model wrapper) is the rank's start time. The RECV sets the rank's clock to
-the arrival, exactly like a start offset; markers are not compute, so busy time, events and memory
-are unchanged. Copies and collectives of the iteration happen after the rank's start, so their
+ended, and (post-validation) its op at the gate not before ``reduced`` of iteration i. So
+iteration i+1 is the single-iteration replay with each rank's clock starting at that time
+instead of 0, and held at the gate. :func:`simulate` has no start-time argument, so each rank's
+op list gets marker pairs: a SEND at the head of the list and its own RECV, of a message no other
+op uses (negative microbatch id), whose latency (a cost-model wrapper) is the absolute time
+wanted: the SEND is issued at the rank's clock start, 0 in the replay, so the message arrives at
+that time. The start marker's RECV follows its SEND at the head; the gate marker's RECV sits
+right before the op at the gate position. A RECV sets the rank's clock to max(clock, arrival):
+the op after it starts no earlier. Markers are not compute, so busy time, events and memory are
+unchanged. Copies and collectives of the iteration happen after the rank's start, so their
 streams and channels need no carry-over either. A rank's iteration ends at its last compute op,
-copy or collective.
+copy or collective, or at its gate when nothing follows that.
 
 Figures: ``period`` is the steady-state time per iteration (between the ends of the first and the
 last iteration's steps, over N-1; the makespan for N=1). The bubble rate is each rank's idle share
 of a period (busy = its compute per iteration plus its step), averaged over ranks.
+
+Why the gate does not bind when ``reduce_time`` is 0: ``reduced`` is then the end of the rank
+that finishes last, q. A gate at the rank's first backward-side op (B, W, BW or the RECV_B before
+them) waits for a backward, which needs its microbatch's forward through every stage, rank q's
+included; a gate the consistent cut moved to a RECV_F waits for a message its sender sends after
+its own gate. Rank q runs nothing of iteration i+1 before its own step of iteration i ended, at
+or after ``reduced``. So every gate op starts after ``reduced`` anyway, whatever the schedule and
+the step time: with unit costs ZB-H2 and V-ZB keep 3m per iteration. A ``reduce_time`` above the
+slack of the earliest gate op (under ZB-H2 rank p-1's first B, one F after its start: 1) delays
+it, and the period grows by the difference.
 """
 
 from __future__ import annotations
@@ -51,6 +71,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costs import CostModel, UniformCosts
+from .gate import gate_at_start, validation_gate
 from .ir import Op, OpKind, Schedule
 from .lowering import lower
 from .simulate import SimResult, simulate
@@ -59,29 +80,61 @@ OPTIMIZERS = ("sync", "post-validation", "post-validation-wait")
 
 
 class _Offset:
-    """``costs`` with the start markers' latency: a marker of rank r (microbatch -1-r) takes
-    ``start[r]``; everything else is the wrapped model's."""
+    """``costs`` with the markers' latencies: marker ``k`` (microbatch -1-k) takes ``times[k]``,
+    the absolute time its RECV waits for; everything else is the wrapped model's."""
 
-    def __init__(self, costs: CostModel, start: Sequence[float]) -> None:
+    def __init__(self, costs: CostModel, times: Sequence[float]) -> None:
         self._costs = costs
-        self._start = start
+        self._times = times
 
     def comm_latency(self, op: Op) -> float:
         if op.microbatch < 0:
-            return self._start[-1 - op.microbatch]
+            return self._times[-1 - op.microbatch]
         return self._costs.comm_latency(op)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._costs, name)
 
 
-def _with_start_markers(schedule: Schedule) -> Schedule:
-    """The lowered schedule with a SEND/RECV marker pair at the head of every rank (see module)."""
+def gate_before_first_op(schedule: Schedule) -> bool:
+    """Whether the runtime takes the validation gate before any op (:func:`gate.gate_at_start`;
+    SlimPipe's attention redistribution is seen through the meta ``simulate
+    --pp-attn-redistribution`` sets)."""
+    return gate_at_start(lower(schedule), bool(schedule.meta.get("attn_redistribution")))
+
+
+def gate_positions(schedule: Schedule, at_start: bool | None = None) -> list[int]:
+    """Each rank's validation gate in ``lower(schedule)``, as the runtime places it (0 for all
+    when ``at_start``, default :func:`gate_before_first_op`)."""
     lowered = lower(schedule)
+    if gate_before_first_op(schedule) if at_start is None else at_start:
+        return [0] * lowered.pp
+    return validation_gate(lowered).positions
+
+
+def _with_markers(schedule: Schedule, gates: Sequence[int] | None = None) -> Schedule:
+    """The lowered schedule with a start marker pair on every rank (rank r: microbatch -1-r) and,
+    with ``gates`` (positions in the lowered schedule), a gate marker pair (-1-p-r): both SENDs at
+    the head, the start RECV after them, the gate RECV right before the op at the gate."""
+    lowered = lower(schedule)
+    pp = lowered.pp
     ranks = []
     for rank, ops in enumerate(lowered.ranks):
-        marker = -1 - rank
-        ranks.append([Op(OpKind.SEND_F, 0, marker), Op(OpKind.RECV_F, 1, marker), *ops])
+        start = -1 - rank
+        if gates is None:
+            ranks.append([Op(OpKind.SEND_F, 0, start), Op(OpKind.RECV_F, 1, start), *ops])
+            continue
+        gate, at = -1 - pp - rank, gates[rank]
+        ranks.append(
+            [
+                Op(OpKind.SEND_F, 0, start),
+                Op(OpKind.SEND_F, 0, gate),
+                Op(OpKind.RECV_F, 1, start),
+                *ops[:at],
+                Op(OpKind.RECV_F, 1, gate),
+                *ops[at:],
+            ]
+        )
     return lowered.with_ranks(ranks)
 
 
@@ -96,6 +149,8 @@ class IterationsResult:
     optimizer_time: float
     starts: list[list[float]] = field(default_factory=list)  # [iteration][rank] -> clock start
     chain: list[int] = field(default_factory=list)  # the partial state's order of ranks
+    gate_positions: list[int] = field(default_factory=list)  # post-validation: in lower(schedule)
+    gates: list[list[float]] = field(default_factory=list)  # [iteration][rank] -> when the gate opens
 
     @property
     def iterations(self) -> int:
@@ -148,18 +203,21 @@ class IterationsResult:
         }
 
 
-def _rank_ends(result: SimResult, start: Sequence[float]) -> list[float]:
-    """When each rank's iteration is done: its last compute op, copy or collective (its start
-    when it has none)."""
-    ends = list(start)
+def _rank_ends(
+    result: SimResult, start: Sequence[float], gates: Sequence[float] | None = None
+) -> list[float]:
+    """When each rank's iteration is done: its last compute op, copy or collective, or its start
+    or gate when nothing runs after them (a rank stands at its gate even when no op follows)."""
+    ends = list(start) if gates is None else [max(s, g) for s, g in zip(start, gates)]
     for event in [*result.events, *result.copies, *result.collectives]:
         ends[event.rank] = max(ends[event.rank], event.end)
     return ends
 
 
 def chain_order(ends: Sequence[float], chain: str | Sequence[int]) -> list[int]:
-    """The ranks in the order the partial state visits them: ``down`` (p-1 to 0, the runtime's),
-    ``up`` (0 to p-1, the paper's), ``auto`` (by when each rank's iteration ends) or a list."""
+    """The ranks in the order the partial state visits them: ``auto`` (by when each rank's
+    iteration ends, ties: higher rank first; the runtime's, see :func:`completion_order`),
+    ``down`` (p-1 to 0), ``up`` (0 to p-1, the paper's) or a list."""
     pp = len(ends)
     if chain == "down":
         return list(reversed(range(pp)))
@@ -210,11 +268,14 @@ def simulate_iterations(
     reduce_time: float = 0.0,
     hop_time: float | None = None,
     chain: str | Sequence[int] = "auto",
+    gate_at_start: bool | None = None,
 ) -> IterationsResult:
     """Replay ``iterations`` iterations of ``schedule`` back to back with ``optimizer``'s step
     between them. ``hop_time`` (one p2p hop of the partial state) defaults to the cost model's
     p2p latency when it has one (``comm``), else 0. ``chain``: see :func:`chain_order`; ``auto``
-    is fixed from the first iteration, as a runtime would fix it."""
+    is fixed from the first iteration, as the runtime fixes it. ``gate_at_start``
+    (post-validation): every gate at position 0; default as the runtime decides
+    (:func:`gate_before_first_op`)."""
     if iterations < 1:
         raise ValueError(f"iterations must be at least 1, got {iterations}")
     if optimizer not in OPTIMIZERS:
@@ -225,23 +286,39 @@ def simulate_iterations(
         )
     if hop_time is None:
         hop_time = float(getattr(costs, "comm", None) or 0.0)
-    marked = _with_start_markers(schedule)
+    positions = gate_positions(schedule, gate_at_start) if optimizer == "post-validation" else None
+    marked = _with_markers(schedule, positions)
     start = [0.0] * schedule.pp
+    gate = [0.0] * schedule.pp  # iteration 1 has no previous step to wait for
     runs: list[SimResult] = []
     steps: list[list[tuple[float, float]]] = []
     starts: list[list[float]] = []
+    gates: list[list[float]] = []
     order: list[int] | None = None
     for _ in range(iterations):
-        result = simulate(marked, _Offset(costs, start))  # type: ignore[arg-type]
+        result = simulate(marked, _Offset(costs, [*start, *gate]))  # type: ignore[arg-type]
         result.schedule = schedule
-        ends = _rank_ends(result, start)
+        ends = _rank_ends(result, start, gate if positions is not None else None)
         order = order or chain_order(ends, chain)
         step, next_start = optimizer_steps(ends, optimizer, optimizer_time, reduce_time, hop_time, order)
         runs.append(result)
         steps.append(step)
         starts.append(start)
+        if positions is not None:
+            gates.append(gate)
+            # the next iteration's gates open when this one's global all-reduce completed
+            gate = [max(ends) + reduce_time] * schedule.pp
         start = next_start
-    return IterationsResult(optimizer, runs, steps, optimizer_time, starts, order or [])
+    return IterationsResult(
+        optimizer, runs, steps, optimizer_time, starts, order or [], positions or [], gates
+    )
+
+
+def completion_order(schedule: Schedule, costs: CostModel | None = None) -> list[int]:
+    """The pipeline ranks in the order their part of one iteration ends (ties: higher rank
+    first), by the simulator with ``costs`` (default: unit costs): the chain ``train`` passes
+    the partial gradient state along (``megatron/post_validation.py``)."""
+    return simulate_iterations(schedule, costs, iterations=1, optimizer="post-validation").chain
 
 
 def compare_optimizers(
