@@ -1,13 +1,18 @@
 """Optimizer post-validation (Zero Bubble, section 4) on real processes (gloo): steps taken
 before the global gradient check, rolled back when it fails, give bitwise the synchronous
 optimizer's losses, gradient norms, weights and Adam moments, in fp32 and bf16, including a step
-whose gradient holds an injected inf (skipped and reported) and steps that need clipping."""
+whose gradient holds an injected inf (skipped and reported) and steps that need clipping.
+
+The next iteration starts before the check is in and waits for it at its validation gate
+(``schedule/gate.py``); after a failed check every rank restarts that iteration from its first
+op with the same data. V-ZB passes the partial state up (rank 0 finishes first), ZB-H1 down."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import math
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -26,7 +31,14 @@ COMMON = [
     "--data", str(REPO / "README.md"), "--pp-p2p-timeout", "60", "--train-iters", "5", "--pp", "2",
 ]  # fmt: skip
 INF_ITERATION = 3  # the second microbatch of this iteration gets an inf in its gradient
+CLIP_GRAD = 2.0  # some steps need clipping (rolled back), some not
 CASES = {"v-zb-fp32": ("v-zb", "float32"), "zb-h1-bf16": ("zb-h1", "bfloat16")}
+POST = ["--pp-post-validation"]
+MODES = (
+    ("sync", []),
+    ("post", [*POST, "--pp-post-validation-chain", "auto"]),  # the schedule's order: reproducible
+    ("measured", POST),  # the order timed over the first iterations
+)
 
 
 class _InfGradient(torch.autograd.Function):
@@ -46,24 +58,28 @@ class _InfGradient(torch.autograd.Function):
 class InjectInf:
     """Megatron's forward step; in iteration ``INF_ITERATION`` the first stage's output for the
     second microbatch passes through :class:`_InfGradient`, so only the first stage's weights
-    (rank 0) get the inf: rank 1, which sees only its own gradients before the global check, steps
-    and must roll back."""
+    (rank 0) get the inf. Microbatches are told apart by their batch (a restarted iteration runs
+    its forwards again on the same batches)."""
 
     def __init__(self, microbatches: int) -> None:
         self.target = (INF_ITERATION - 1) * microbatches + 2
-        self.calls = 0
+        self.seen: list[Any] = []  # the first stage's batches, in data order
 
     def __call__(self, data_iterator: Any, model: Any) -> tuple[Any, Any]:
         from megatron.core.utils import unwrap_model
 
         from megatron_pp_ext.megatron.steps import forward_step
 
-        output, loss_func = forward_step(data_iterator, model)
         inner = unwrap_model(model)
-        if inner.pre_process and not inner.post_process:
-            self.calls += 1
-            if self.calls == self.target:
-                output = _InfGradient.apply(output)
+        if not (inner.pre_process and not inner.post_process):
+            return forward_step(data_iterator, model)
+        batch = next(data_iterator)
+        if not any(batch is seen for seen in self.seen):
+            self.seen.append(batch)
+        number = next(i for i, seen in enumerate(self.seen, 1) if seen is batch)
+        output, loss_func = forward_step(iter([batch]), model)
+        if number == self.target:
+            output = _InfGradient.apply(output)
         return output, loss_func
 
 
@@ -71,7 +87,7 @@ def config_file(directory: str, dtype: str) -> None:
     """tiny-llama with clip_grad 2: some steps need clipping (rolled back), some not."""
     config = yaml.safe_load((REPO / "configs/tiny-llama.yaml").read_text())
     config["model"]["dtype"] = dtype
-    config["training"]["clip_grad"] = 2.0
+    config["training"]["clip_grad"] = CLIP_GRAD
     (Path(directory) / f"tiny-{dtype}.yaml").write_text(yaml.safe_dump(config))
 
 
@@ -84,7 +100,7 @@ def worker(rank: int, world: int, root: str) -> dict[str, Any]:
             config_file(root, dtype)
         torch.distributed.barrier()
         config = str(Path(root) / f"tiny-{dtype}.yaml")
-        for mode, flags in (("sync", []), ("post", ["--pp-post-validation"])):
+        for mode, flags in MODES:
             argv = [*COMMON, "--config", config, "--pp-schedule", schedule, *flags]
             argv += ["--save", f"{root}/{name}/{mode}"]
             settings = settings_from_argv(argv, world)
@@ -119,28 +135,63 @@ def same(a: float | None, b: float | None) -> bool:
 @pytest.mark.parametrize("name", list(CASES))
 def test_post_validation_is_bitwise_the_synchronous_step(runs, name: str) -> None:
     root, results = runs
-    for rank, result in enumerate(results):
-        sync, post = result[f"{name}/sync"], result[f"{name}/post"]
-        assert len(sync) == len(post) == 5
-        for a, b in zip(sync, post):
-            assert same(a["loss"], b["loss"]) and same(a["grad_norm"], b["grad_norm"]), (rank, a, b)
-            assert a["skipped"] == b["skipped"]
-        # the injected inf: every rank skips that step, and only that one
-        assert [row["skipped"] for row in post] == [i == INF_ITERATION for i in range(1, 6)]
-        assert not math.isfinite(post[INF_ITERATION - 1]["grad_norm"])
-    # rank 1 (no inf, its partial state only its own) stepped before the global check, kept
-    # some steps and rolled back the inf one and those that needed clipping
-    rank1 = results[1][f"{name}/post"]
-    assert rank1[INF_ITERATION - 1]["rolled_back"]
-    assert any(row["optimistic"] and not row["rolled_back"] for row in rank1)
-    assert any(row["rolled_back"] and not row["skipped"] for row in rank1)  # clipping
-    final_sync, final_post = (
-        tensors(root / name / "sync/iter_0000005"),
-        tensors(root / name / "post/iter_0000005"),
-    )
-    assert sorted(final_sync) == sorted(final_post)
-    for key, value in final_sync.items():
-        assert torch.equal(value, final_post[key]), key
+    for mode in ("post", "measured"):
+        for rank, result in enumerate(results):
+            sync, post = result[f"{name}/sync"], result[f"{name}/{mode}"]
+            assert len(sync) == len(post) == 5
+            for a, b in zip(sync, post):
+                assert same(a["loss"], b["loss"]) and same(a["grad_norm"], b["grad_norm"]), (rank, a, b)
+                assert a["skipped"] == b["skipped"]
+            # the injected inf: every rank skips that step, and only that one
+            assert [row["skipped"] for row in post] == [i == INF_ITERATION for i in range(1, 6)]
+            assert not math.isfinite(post[INF_ITERATION - 1]["grad_norm"])
+        final_sync, final_post = (
+            tensors(root / name / "sync/iter_0000005"),
+            tensors(root / name / f"{mode}/iter_0000005"),
+        )
+        assert sorted(final_sync) == sorted(final_post)
+        for key, value in final_sync.items():
+            assert torch.equal(value, final_post[key]), (mode, key)
+
+
+def test_the_measured_chain_is_reported(runs) -> None:
+    """Timed over the first iterations, the order is some order of both ranks, said in the log."""
+    _, results = runs
+    for name in CASES:
+        log = "".join(result[f"{name}/measured/log"] for result in results)
+        said = r"post-validation: partial state along rank ([01]) \(\d+ ms\) > rank (?!\1)[01] "
+        assert re.search(said, log), log
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_first_rank_of_the_chain_steps_early_and_rolls_back(runs, name: str) -> None:
+    """The partial state goes in completion order: ZB-H1's rank 1 finishes first, V-ZB's rank 0.
+    The first rank of the chain sees only its own gradients: it steps before the global check,
+    keeps some steps and rolls back those that needed clipping; the inf is on rank 0, so under
+    ZB-H1 rank 1 also steps on it and rolls back, under V-ZB rank 0 sees it and waits. The last
+    rank of the chain takes the global state at once (it is complete by then): never early."""
+    _, results = runs
+    first = {"v-zb-fp32": 0, "zb-h1-bf16": 1}[name]
+    rows = results[first][f"{name}/post"]
+    assert any(row["optimistic"] and not row["rolled_back"] for row in rows)
+    assert any(row["rolled_back"] and not row["skipped"] for row in rows)  # clipping
+    inf_row = rows[INF_ITERATION - 1]
+    assert inf_row["rolled_back"] == (first == 1) and inf_row["optimistic"] == (first == 1)
+    assert all(not row["optimistic"] for row in results[1 - first][f"{name}/post"])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_an_iteration_restarts_on_every_rank_after_a_failed_check(runs, name: str) -> None:
+    """Iteration i+1 ran its forwards with step i's optimistic weights: it restarts, on every
+    rank, exactly when step i failed its global check (skipped, or clipped: norm above the
+    config's clip_grad 2), never otherwise."""
+    _, results = runs
+    for result in results:
+        rows = result[f"{name}/post"]
+        failed = [row["skipped"] or row["grad_norm"] > CLIP_GRAD for row in rows]
+        assert [row["restarted"] for row in rows] == [False, *failed[:-1]]
+        assert all(not row["restarted"] for row in result[f"{name}/sync"])
+        assert any(failed[:-1]) and not all(failed[:-1])
 
 
 def test_skipped_step_is_reported_in_the_log(runs) -> None:

@@ -173,3 +173,51 @@ def test_train_survives_a_dead_and_a_hung_peer_and_resumes_from_the_checkpoint(t
 
     assert [row["iteration"] for row in runs[0]["after-die"]] == [3, 4]
     assert losses("after-die") == losses("after-hang") == losses("straight")[2:]  # bitwise
+
+
+# ---- post-validation: a rank that waits for the global check at its gate ----------------------
+
+
+def post_validation_fault_worker(rank: int, world: int, save: str) -> dict:
+    """ZB-H2 with post-validation (chain 0 > 1): at iteration ``FAULT_ITERATION`` rank 1 dies
+    before its optimizer step, so it never joins that step's global all-reduce. Rank 0 stepped on
+    its partial state and went on; it waits for the global check at its next step's gate."""
+    from megatron_pp_ext.commands.train import fatal_errors, fatal_message, settings_from_argv, train_loop
+    from megatron_pp_ext.megatron import optimizer
+
+    argv = [*TRAIN_ARGS, "--pp-schedule", "zb-h2", "--pp-post-validation", "--clip-grad", "100"]
+    argv += ["--pp-post-validation-chain", "auto"]  # the schedule's 0 > 1, not a timed order
+    settings = settings_from_argv([*argv, "--save", save], world)
+    step = optimizer.MainGradOptimizer.step
+    calls = []
+
+    def dying_step(self) -> float:
+        calls.append(time.monotonic())
+        if rank == 1 and len(calls) == FAULT_ITERATION:
+            os._exit(3)
+        return step(self)
+
+    optimizer.MainGradOptimizer.step = dying_step  # this worker process only
+    try:
+        train_loop(rank, settings, torch.device("cpu"))
+    except fatal_errors() as error:
+        return {"error": fatal_message(settings, error), "elapsed": time.monotonic() - calls[-1]}
+    return {"error": None, "steps": len(calls)}
+
+
+@pytest.mark.slow
+def test_post_validation_gate_names_a_dead_peer(tmp_path) -> None:
+    """Rank 0, which went on past its step, does not hang at its gate: it fails within the
+    timeout naming what found rank 1 gone, and the checkpoint of iteration 2 is the one to resume
+    from."""
+    results = run_ranks(post_validation_fault_worker, 2, str(tmp_path), timeout=120)
+    result = results[0]
+    assert not isinstance(result, RankFailure), result
+    message = result["error"]
+    assert message is not None, "rank 0 finished a step whose global check never came"
+    # what first found rank 1 gone: a send of the next iteration's forwards (before the gate), the
+    # partial state's send, or the global all-reduce rank 0 waits for at its gate
+    assert message.startswith("rank 0: "), message
+    assert "to rank 1 " in message or "ranks [0, 1]) failed" in message, message
+    assert f"the last checkpoint is {tmp_path / 'iter_0000002'}" in message, message
+    assert result["elapsed"] < TRAIN_TIMEOUT_S * 2 + 8.0, result

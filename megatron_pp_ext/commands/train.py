@@ -81,6 +81,7 @@ class TrainSettings:
     load_optimizer: bool = True
     load_rng: bool = True
     post_validation: bool = False  # Zero Bubble's optimizer post-validation
+    post_validation_chain: str = "measured"  # the partial state's order: measured, auto, up, down
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
 
 
@@ -143,6 +144,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "flag; vocabulary parallelism with sequence slices needs it)",
     )
     parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument(
+        "--clip-grad", type=float, help="clip gradients to this global L2 norm (0: no clipping)"
+    )
     parser.add_argument("--seed", type=int, help="random seed (weights and data)")
     parser.add_argument("--data", help="a text file to train on (default: Python stdlib docstrings)")
     parser.add_argument("--metrics", help="write per-iteration metrics here as JSON lines")
@@ -163,6 +167,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Zero Bubble's optimizer post-validation: each stage steps on a partial reduction of "
         "the gradient norm and NaN/inf state and rolls the step back if the global check fails "
         "(same result as the synchronous step, no wait for the global norm at the iteration end)",
+    )
+    parser.add_argument(
+        "--pp-post-validation-chain",
+        choices=("measured", "auto", "up", "down"),
+        help="with --pp-post-validation, the order the partial state visits the pipeline ranks: "
+        "the order they finish an iteration, as timed over the first iterations (measured, the "
+        "default), as the schedule has it at unit costs (auto, reproducible), rank 0 to p-1 (up) "
+        "or p-1 to 0 (down)",
     )
     add_args(parser)
     parser.set_defaults(run=run, pp_schedule=None, pp_seq_slices=None)  # None: the config's
@@ -192,6 +204,7 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         "micro_batch_size": args.micro_batch_size,
         "iterations": args.iterations,
         "lr": args.lr,
+        "clip_grad": args.clip_grad,
         "seed": args.seed,
     }
     if args.global_batch_size is not None and args.microbatches is None:
@@ -227,6 +240,7 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         load_optimizer=not args.no_load_optim,
         load_rng=not args.no_load_rng,
         post_validation=args.pp_post_validation,
+        post_validation_chain=getattr(args, "pp_post_validation_chain", None) or "measured",
         **training,
     )
 
@@ -287,6 +301,10 @@ def check(settings: TrainSettings) -> None:
             f"{', '.join(model.unsupported())}: train it with Megatron-LM's pretrain_gpt.py "
             "(scripts/slurm/launch.sh), or study it with simulate --model",
         )
+    if settings.post_validation_chain != "measured" and not settings.post_validation:
+        raise UsageError("--pp-post-validation-chain", "needs --pp-post-validation")
+    if settings.clip_grad < 0:
+        raise UsageError("--clip-grad", f"must be 0 (no clipping) or positive, got {settings.clip_grad}")
     _check_parallel(settings, model)
     _check_checkpoints(settings)
     _check_vocab(settings)
@@ -574,6 +592,7 @@ class TrainJob:
         from ..megatron.ddp import wrap_chunks
         from ..megatron.model import ModelConfig, build_chunks_from, build_reference, split_layers
         from ..megatron.optimizer import OptimizerSettings, build_optimizer
+        from ..schedule.iterations import completion_order
 
         settings = self.settings
         self.schedule = self.hook.schedule(settings.pp, settings.microbatches)
@@ -627,6 +646,8 @@ class TrainJob:
             use_distributed_optimizer=settings.use_distributed_optimizer,
         )
         self.model = wrap_chunks(chunks, ddp_config)
+        # post-validation's chain until the first iterations measured the order (_set_chain)
+        self.unit_chain = completion_order(self.schedule)
         self.optimizer = build_optimizer(
             self.model,
             OptimizerSettings(
@@ -634,7 +655,13 @@ class TrainJob:
             ),
             bf16=self.model_config.dtype == "bfloat16",
             post_validation=settings.post_validation,
+            # the partial gradient state goes from rank to rank in the order they finish
+            chain=_chain(settings.post_validation_chain, self.unit_chain)
+            if settings.post_validation
+            else None,
         )
+        if settings.post_validation:
+            self.hook.gate = self._gate
         self.checkpoint = TrainingCheckpoint(
             self.model,
             self.optimizer,
@@ -717,12 +744,22 @@ class TrainJob:
             open(settings.metrics, "a" if first > 1 else "w") if settings.metrics and self.shows else None
         )
         rows: list[dict[str, Any]] = []
-        saved_at = None
+        unsettled = None  # post-validation: the last row, until its step's global check is in
+        chain_timings: list[float] = []  # post-validation: this rank's iteration times, for the chain
+        began = time.perf_counter()
         for iteration in range(first, settings.iterations + 1):
-            for group in self.optimizer.param_groups:
-                group["lr"] = learning_rate(settings, iteration)
-            zero_grad_buffers(self.model)
-            dist.barrier()
+            timing_chain = (
+                settings.post_validation
+                and settings.post_validation_chain == "measured"
+                and iteration < first + CHAIN_ITERATIONS
+            )
+            if not settings.post_validation:
+                zero_grad_buffers(self.model)
+            # under post-validation the runtime settles the previous step at this step's gate and
+            # zeroes the gradients there (_gate); no barrier once the chain is measured, or the
+            # boundary bubble comes back
+            if not settings.post_validation or timing_chain:
+                dist.barrier()  # every rank starts together: comparable step times
             start = time.perf_counter()
             forward_backward_func = pipeline_parallel.get_forward_backward_func()
             losses = forward_backward_func(
@@ -734,47 +771,111 @@ class TrainJob:
                 micro_batch_size=settings.micro_batch_size,
                 forward_only=False,
             )
+            if unsettled is not None:
+                self._emit(unsettled, self.optimizer.last, progress, metrics_file)
+                unsettled = None
+            if timing_chain:
+                chain_timings.append(time.perf_counter() - start)
+                if len(chain_timings) == CHAIN_ITERATIONS:
+                    self._set_chain(chain_timings)
+            for group in self.optimizer.param_groups:
+                group["lr"] = learning_rate(settings, iteration)
             step = optimizer_step(self.optimizer, self.model)
             elapsed = time.perf_counter() - start
             self._measure(elapsed)
             self.position["iteration"] = iteration
             self.position["consumed_train_samples"] += global_batch
-            self.position["skipped_iterations"] += int(step.skipped)
             loss = self._global_loss(losses) if self.is_loss_rank else None
             row = {
                 "iteration": iteration,
                 "loss": loss if self.shows else None,
                 "step_time": elapsed,
-                "grad_norm": step.grad_norm,
-                "skipped": step.skipped,
-                "optimistic": step.optimistic,
-                "rolled_back": step.rolled_back,
+                "wall_time": time.perf_counter() - began,  # this rank's clock since the first iteration
                 "offloaded_bytes": self.offloaded,
+                "restarted": self.hook.last_result.restarted,
             }
             rows.append(row)
-            if self.shows:
-                postfix = {"loss": f"{loss:.3f}", "step": f"{elapsed:.2f}s", "gnorm": f"{step.grad_norm:.2f}"}
-                if self.position["skipped_iterations"]:
-                    postfix["skipped"] = str(self.position["skipped_iterations"])
-                progress.set_postfix(postfix)
-                if step.skipped:
-                    progress.write(
-                        f"iteration {iteration}: optimizer step skipped: gradient norm {step.grad_norm} "
-                        f"(NaN/inf), loss {loss}; {self.position['skipped_iterations']} skipped so far"
-                    )
-                progress.update(1)
-                if metrics_file:
-                    metrics_file.write(json.dumps({key: row[key] for key in METRICS}) + "\n")
-                    metrics_file.flush()
-            if settings.save and settings.save_interval and iteration % settings.save_interval == 0:
+            # as Megatron-LM: every --save-interval iterations, and always the last one
+            save = settings.save is not None and (
+                iteration == settings.iterations
+                or bool(settings.save_interval and iteration % settings.save_interval == 0)
+            )
+            if step.settled:
+                self._emit(row, step, progress, metrics_file)
+            elif save or iteration == settings.iterations:
+                self.optimizer.settle()  # a checkpoint (or the run's end) takes the checked step
+                self._emit(row, self.optimizer.last, progress, metrics_file)
+            else:
+                unsettled = row
+            if save:
                 self.save(progress)
-                saved_at = iteration
-        if settings.save and rows and saved_at != settings.iterations:
-            self.save(progress)  # as Megatron-LM: the last iteration is always saved
         progress.close()
         if metrics_file:
             metrics_file.close()
         return rows
+
+    def _set_chain(self, timings: list[float]) -> None:
+        """Post-validation: pass the partial gradient state in the order the ranks of this
+        pipeline finish their part of an iteration, as measured (from a barrier) over the first
+        iterations but the very first. The schedule's order at unit costs can be wrong on a real
+        machine: under ZB-H2 rank 0 ends first only while B + p2p < 2 W."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_pipeline_model_parallel_group()
+        timed = timings[1:] or timings  # the first iteration warms up (allocations, groups)
+        mine = torch.tensor([sum(timed) / len(timed)], dtype=torch.float64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        times = [float(item) for item in gathered]
+        chain = sorted(reversed(range(len(times))), key=lambda rank: times[rank])  # ties: higher first
+        self.optimizer.validation.set_chain(chain)
+        self.say(
+            "post-validation: partial state along "
+            + " > ".join(f"rank {rank} ({times[rank] * 1e3:.0f} ms)" for rank in chain)
+            + f" (schedule's order at unit costs: {' > '.join(map(str, self.unit_chain))})"
+        )
+
+    def _gate(self) -> bool:
+        """Post-validation, at the validation gate of a step: settle the previous optimizer step
+        (its global check; a failed one is rolled back and redone), then zero the gradients it
+        used. False: the step restarts (its forwards ran with rolled-back weights)."""
+        from ..megatron.ddp import zero_grad_buffers
+
+        kept = self.optimizer.settle()
+        zero_grad_buffers(self.model)
+        return kept
+
+    def _emit(self, row: dict[str, Any], step: Any, progress: Any, metrics_file: Any) -> None:
+        """Complete an iteration's row with its (settled) optimizer step; show and record it."""
+        row.update(
+            grad_norm=step.grad_norm,
+            skipped=step.skipped,
+            optimistic=step.optimistic,
+            rolled_back=step.rolled_back,
+        )
+        self.position["skipped_iterations"] += int(step.skipped)
+        if not self.shows:
+            return
+        iteration, loss = row["iteration"], row["loss"]
+        postfix = {
+            "loss": f"{loss:.3f}",
+            "step": f"{row['step_time']:.2f}s",
+            "gnorm": f"{step.grad_norm:.2f}",
+        }
+        if self.position["skipped_iterations"]:
+            postfix["skipped"] = str(self.position["skipped_iterations"])
+        progress.set_postfix(postfix)
+        if step.skipped:
+            progress.write(
+                f"iteration {iteration}: optimizer step skipped: gradient norm {step.grad_norm} "
+                f"(NaN/inf), loss {loss}; {self.position['skipped_iterations']} skipped so far"
+            )
+        progress.update(1)
+        if metrics_file:
+            metrics_file.write(json.dumps({key: row[key] for key in METRICS}) + "\n")
+            metrics_file.flush()
 
     def save(self, progress: Any) -> None:
         start = time.perf_counter()
@@ -825,7 +926,27 @@ class TrainJob:
         parallel_state.destroy_model_parallel()
 
 
-METRICS = ("iteration", "loss", "step_time", "grad_norm", "skipped", "rolled_back", "offloaded_bytes")
+# Post-validation: iterations timed from a barrier to measure the ranks' completion order.
+CHAIN_ITERATIONS = 3
+
+
+def _chain(name: str, unit_chain: list[int]) -> list[int]:
+    """The first chain of ``--pp-post-validation-chain`` (measured: the schedule's until timed)."""
+    pp = len(unit_chain)
+    return {"up": list(range(pp)), "down": list(reversed(range(pp)))}.get(name, unit_chain)
+
+
+METRICS = (
+    "iteration",
+    "loss",
+    "step_time",
+    "wall_time",
+    "grad_norm",
+    "skipped",
+    "rolled_back",
+    "restarted",
+    "offloaded_bytes",
+)
 
 
 def _init_parallel(settings: TrainSettings) -> None:

@@ -280,6 +280,9 @@ class Installed:
         # --pp-vocab-parallel: this rank's runtime.vocab_ops.VocabSetup, set before the first step
         # by whoever built the chunks (setup_vocab_parallel, before DDP wrapping)
         self.vocab: Any = None
+        # optimizer post-validation: settles the previous step at the next step's validation
+        # gate (``PipelineRuntime.step``); set by the training loop that owns the optimizer
+        self.gate: Callable[[], bool] | None = None
 
     # -- what Megatron calls ------------------------------------------------------------------
 
@@ -297,7 +300,8 @@ class Installed:
         if self.wrap_forward_step is not None:
             kwargs = {**kwargs, "forward_step_func": self.wrap_forward_step(kwargs["forward_step_func"])}
         waited = runtime.comm.wait_seconds
-        losses = forward_backward(runtime, schedule, **kwargs)
+        gate = None if kwargs.get("forward_only") else self.gate
+        losses = forward_backward(runtime, schedule, gate=gate, **kwargs)
         self.last_result = runtime.last_result
         self.last_wait_seconds = runtime.comm.wait_seconds - waited
         if self.losses_on_last_rank and schedule.loss_rank != schedule.pp - 1:

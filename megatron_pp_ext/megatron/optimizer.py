@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
-from .post_validation import PostValidation, Snapshot
+from .post_validation import PendingState, PostValidation, Snapshot
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq")
 
@@ -52,22 +52,34 @@ class OptimizerSettings:
 class StepInfo:
     """What one optimizer step did: the global gradient norm before clipping, whether the step
     was skipped (non-finite gradients), and under post-validation whether this rank stepped
-    before the global check (``optimistic``) and had to roll that step back (and redo it)."""
+    before the global check (``optimistic``), had to roll that step back (and redo it), and
+    whether the global check is still to come (``settled`` False: ``grad_norm`` is then this
+    rank's partial norm, see :meth:`MainGradOptimizer.settle`)."""
 
     grad_norm: float
     skipped: bool = False
     optimistic: bool = False
     rolled_back: bool = False
+    settled: bool = True
 
 
 class MainGradOptimizer:
     """``torch.optim.AdamW`` over DDP-wrapped chunks, stepping on ``main_grad``; ``step()``
     returns the global gradient norm before clipping (``last`` holds the whole :class:`StepInfo`).
-    ``post_validation``: step before the global norm and NaN/inf check (see
-    ``post_validation.py``), same result."""
+
+    ``post_validation``: step before the global norm and NaN/inf check (``post_validation.py``),
+    same result. ``step()`` then returns as soon as this rank has stepped on the partial state
+    (``chain``: the pipeline ranks in the order they finish, which the partial state follows);
+    the caller must :meth:`settle` the step before the next iteration's first backward-side op,
+    before the gradient buffers are zeroed, and before a checkpoint, and redo the forwards run in
+    between when :meth:`settle` reports a rollback."""
 
     def __init__(
-        self, model: Sequence[Any], settings: OptimizerSettings, post_validation: bool = False
+        self,
+        model: Sequence[Any],
+        settings: OptimizerSettings,
+        post_validation: bool = False,
+        chain: Sequence[int] | None = None,
     ) -> None:
         self.model = list(model)
         self.settings = settings
@@ -79,23 +91,37 @@ class MainGradOptimizer:
             betas=settings.betas,
             eps=settings.eps,
         )
-        self.validation = PostValidation() if post_validation else None
+        self.validation = PostValidation(chain=chain) if post_validation else None
+        self.snapshot = Snapshot(self.optimizer, self.params)  # what an optimistic step overwrote
         self.last = StepInfo(0.0)
+        self._pending: PendingState | None = None  # the global check of an optimistic step
+        # the last post-validated step failed its global check: every rank redid it, so the
+        # forwards run since (by every rank, optimistic or not) must run again
+        self._check_failed = False
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
+    @property
+    def pending(self) -> bool:
+        """Whether the last step still waits for its global check (:meth:`settle`)."""
+        return self._pending is not None
+
     def step(self) -> float:
+        self.settle()
         gather_grad_shards(self.model)
-        for param in self.params:
-            param.grad = param.main_grad.to(param.dtype)
+        self._grads_from_main()
         try:
             self.last = self._synchronous_step() if self.validation is None else self._validated_step()
         finally:
             for param in self.params:
                 param.grad = None
         return self.last.grad_norm
+
+    def _grads_from_main(self) -> None:
+        for param in self.params:
+            param.grad = param.main_grad.to(param.dtype)
 
     def _synchronous_step(self) -> StepInfo:
         norm = global_grad_norm(self.params)
@@ -106,26 +132,61 @@ class MainGradOptimizer:
         return StepInfo(norm)
 
     def _validated_step(self) -> StepInfo:
-        """Post-validation: the optimistic step needs only this pipeline's partial state."""
+        """Post-validation: the optimistic step needs only the partial state of the ranks that
+        finished before this one; its global check is left to :meth:`settle`. The last rank of
+        the chain does not step optimistically: every other rank has issued the global
+        all-reduce by then, so waiting for it costs less than the copy a rollback needs."""
         assert self.validation is not None
         pending = self.validation.begin(local_square_sum(self.params))
-        clip = self.settings.clip_grad
-        optimistic = math.isfinite(pending.partial) and not (clip > 0 and math.sqrt(pending.partial) > clip)
-        snapshot = None
-        if optimistic:
-            snapshot = Snapshot(self.optimizer, self.params)
+        if self.validation.next is not None and self._passes(math.sqrt(pending.partial)):
+            self.snapshot.take()
             self.optimizer.step()
+            self._pending = pending
+            return StepInfo(math.sqrt(pending.partial), optimistic=True, settled=False)
+        # the global state: from the last rank of the chain, or because the partial state already
+        # fails (so does the global one); step as the synchronous optimizer does
         norm = pending.wait()
-        valid = math.isfinite(norm) and not (clip > 0 and norm > clip)
-        if optimistic and valid:
-            return StepInfo(norm, optimistic=True)
-        if snapshot is not None:
-            snapshot.restore()
+        self._check_failed = not self._passes(norm)
         if not math.isfinite(norm):
-            return StepInfo(norm, skipped=True, optimistic=optimistic, rolled_back=optimistic)
+            return StepInfo(norm, skipped=True)
         self._clip(norm)
         self.optimizer.step()
-        return StepInfo(norm, optimistic=optimistic, rolled_back=optimistic)
+        return StepInfo(norm)
+
+    def settle(self) -> bool:
+        """Wait for the global check of an optimistic step; if it fails, roll the step back and
+        redo it as the synchronous optimizer would (skip, or clip by the global norm). The
+        gradients must still be in ``main_grad``. Returns whether the global check passed, the
+        same answer on every rank (False: the step was redone on the ranks that had stepped, and
+        on every rank the forwards run since must be run again); ``last`` becomes the settled
+        :class:`StepInfo`. Nothing to settle: True."""
+        if self._pending is None:
+            failed, self._check_failed = self._check_failed, False
+            return not failed
+        pending, self._pending = self._pending, None
+        norm = pending.wait()
+        if self._passes(norm):
+            self.last = StepInfo(norm, optimistic=True)
+            return True
+        self.snapshot.restore()
+        if not math.isfinite(norm):
+            self.last = StepInfo(norm, skipped=True, optimistic=True, rolled_back=True)
+            return False
+        self._grads_from_main()
+        try:
+            self._clip(norm)
+            self.optimizer.step()
+        finally:
+            for param in self.params:
+                param.grad = None
+        self.last = StepInfo(norm, optimistic=True, rolled_back=True)
+        return False
+
+    def _passes(self, norm: float) -> bool:
+        """Whether a step on gradients of this norm is the plain step: finite and within the
+        clip threshold (the synchronous step's own test)."""
+        clip = self.settings.clip_grad
+        return math.isfinite(norm) and not (clip > 0 and norm > clip)
 
     def _clip(self, norm: float) -> None:
         """Megatron's clipping by the global norm."""
@@ -236,13 +297,18 @@ def main_grads_finite(model: Sequence[Any]) -> tuple[bool, float]:
 
 
 def build_optimizer(
-    model: Sequence[Any], settings: OptimizerSettings, bf16: bool = False, post_validation: bool = False
+    model: Sequence[Any],
+    settings: OptimizerSettings,
+    bf16: bool = False,
+    post_validation: bool = False,
+    chain: Sequence[int] | None = None,
 ) -> Any:
     """Megatron's optimizer on GPU, :class:`MainGradOptimizer` on CPU (see the module docstring)
-    and wherever ``post_validation`` is asked for (Megatron's optimizer cannot roll a step back).
-    Both have ``param_groups`` and a ``step()``; Megatron's returns (ok, grad norm, zeros)."""
+    and wherever ``post_validation`` is asked for (Megatron's optimizer cannot roll a step back;
+    ``chain``: the pipeline ranks in the order they finish an iteration). Both have
+    ``param_groups`` and a ``step()``; Megatron's returns (ok, grad norm, zeros)."""
     if post_validation or not torch.cuda.is_available():
-        return MainGradOptimizer(model, settings, post_validation=post_validation)
+        return MainGradOptimizer(model, settings, post_validation=post_validation, chain=chain)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(

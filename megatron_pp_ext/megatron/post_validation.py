@@ -7,15 +7,20 @@ replaces that wait:
 
 1. every stage computes its local state (sum of squared gradients; a NaN or inf makes it
    non-finite) and starts the global all-reduce without waiting for it;
-2. the *partial* state travels down the pipeline, from the last rank (whose backward ends first
-   under 1F1B, ZB and V-shape schedules) to rank 0, each rank adding its own: rank r knows the
-   state of ranks r..p-1, a lower bound of the global one;
+2. the *partial* state travels along the pipeline in the order the ranks finish their iteration
+   (the ``chain``, read from the schedule: ``schedule.iterations.completion_order``; rank 0
+   first under ZB-H2 and V-ZB, the last rank first under 1F1B), each rank adding its own: a rank
+   knows the state of itself and the ranks before it, a lower bound of the global one. The hop
+   to the next rank is sent without waiting for it to be taken;
 3. if the partial state already shows a NaN/inf or a norm above the clip threshold, the rank
    waits for the global state (it must skip or clip); otherwise it steps at once, optimistically,
-   keeping a copy of what the step overwrites (parameters and optimizer state);
-4. when the global state arrives: if it is non-finite or needs clipping, the optimistic step is
-   rolled back (the copy restored, bit for bit) and redone exactly as the synchronous optimizer
-   does it (skipped, or clipped with the same global norm).
+   keeping a copy of what the step overwrites (parameters and optimizer state), and goes on
+   with its next iteration;
+4. when the global state arrives (the next iteration waits for it at its *gate*, before its
+   first backward-side op, ``schedule/gate.py``): if it is non-finite or needs clipping, the
+   optimistic step is rolled back (the copy restored, bit for bit) and redone exactly as the
+   synchronous optimizer does it (skipped, or clipped with the same global norm), and the
+   forwards already run with the rolled-back weights are run again.
 
 The global norm is the synchronous optimizer's own all-reduce of the same local sums, so every
 decision and every clip factor is bitwise the synchronous one: the result is identical, rolled
@@ -24,7 +29,8 @@ back or not. The rollback copy costs one copy of the parameters and of the optim
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,72 +40,133 @@ import torch.distributed as dist
 
 @dataclass
 class PendingState:
-    """A step's gradient state: the partial one (this rank and the ranks after it in the
-    pipeline) at once, the global one once its all-reduce completes (:meth:`wait`)."""
+    """A step's gradient state: the partial one (this rank and the ranks before it in the
+    chain) at once, the global one once its all-reduce completes (:meth:`wait`)."""
 
-    partial: float  # sum of squares over pipeline ranks r..p-1 of this pipeline (inf/nan if any)
+    partial: float  # sum of squares over this rank and the ranks before it in the chain (inf/nan if any)
     total: torch.Tensor
     work: Any
+    rank: int  # this pipeline rank, for errors
+    group_ranks: Sequence[int] = ()  # the processes of the global all-reduce, for errors
+    next_rank: int | None = None  # where ``hop`` sends the partial state
+    hop: Any = None  # the partial state's send to the next rank in the chain
+    hop_buffer: torch.Tensor | None = None  # what ``hop`` sends, alive until it is out
 
     def wait(self) -> float:
-        """The global gradient norm, computed as the synchronous optimizer computes it."""
+        """The global gradient norm, computed as the synchronous optimizer computes it. A peer
+        that died or hangs makes it raise a PeerError naming this rank and what it waited for."""
+        if self.hop is not None:
+            with _named(f"rank {self.rank}: post-validation partial state to rank {self.next_rank}"):
+                self.hop.wait()
+            self.hop = self.hop_buffer = None
         if self.work is not None:
-            self.work.wait()
+            group = f"over the model-parallel group, ranks {list(self.group_ranks)}"
+            with _named(f"rank {self.rank}: post-validation global gradient state (all-reduce {group})"):
+                self.work.wait()
+            self.work = None
         return float(self.total.sqrt())
 
 
-class PostValidation:
-    """The partial reduction down one pipeline and the global all-reduce over the model-parallel
-    group (the synchronous optimizer's), started together."""
+@contextmanager
+def _named(what: str) -> Iterator[None]:
+    """A failed or timed-out transfer as the p2p layer reports it: a PeerError naming it."""
+    from ..runtime.p2p import PeerError
 
-    def __init__(self, pipeline_group: Any = None, model_parallel_group: Any = None) -> None:
+    try:
+        yield
+    except RuntimeError as error:
+        raise PeerError(f"{what} failed: {(str(error).splitlines() or [''])[0]}") from error
+
+
+class PostValidation:
+    """The partial reduction along one pipeline and the global all-reduce over the model-parallel
+    group (the synchronous optimizer's), started together. ``chain``: the pipeline ranks in the
+    order the partial state visits them (default: the last rank down to rank 0)."""
+
+    def __init__(
+        self,
+        pipeline_group: Any = None,
+        model_parallel_group: Any = None,
+        chain: Sequence[int] | None = None,
+    ) -> None:
         from megatron.core import parallel_state
 
         self.pipeline_group = pipeline_group or parallel_state.get_pipeline_model_parallel_group()
         self.model_parallel_group = model_parallel_group or parallel_state.get_model_parallel_group()
         self.ranks = dist.get_process_group_ranks(self.pipeline_group)
+        self.group_ranks = dist.get_process_group_ranks(self.model_parallel_group)
         self.index = self.ranks.index(dist.get_rank())
+        self.set_chain(list(reversed(range(len(self.ranks)))) if chain is None else chain)
+
+    def set_chain(self, chain: Sequence[int]) -> None:
+        """Pass the partial state in this order of pipeline ranks from now on (every rank of the
+        pipeline must set the same, between steps)."""
+        chain = list(chain)
+        if sorted(chain) != list(range(len(self.ranks))):
+            raise ValueError(f"chain {chain} is not an order of the {len(self.ranks)} pipeline ranks")
+        self.chain = chain
+        place = chain.index(self.index)
+        self.previous = chain[place - 1] if place > 0 else None
+        self.next = chain[place + 1] if place + 1 < len(chain) else None
 
     def begin(self, local: torch.Tensor) -> PendingState:
-        """Start the global all-reduce of ``local`` (a float64 scalar), then pass the partial
-        state from the pipeline's last rank towards rank 0."""
-        from ..runtime.p2p import PeerError
-
+        """Start the global all-reduce of ``local`` (a float64 scalar), take the partial state
+        of the ranks before this one in the chain, add ours and start sending it on."""
         total = local.clone()
         work = dist.all_reduce(total, group=self.model_parallel_group, async_op=True)
         partial = local.clone()
-        peer = self.index + 1
-        try:
-            if peer < len(self.ranks):
-                received = torch.empty_like(partial)
-                dist.recv(received, src=self.ranks[peer], group=self.pipeline_group)
-                partial += received
-            peer = self.index - 1
-            if peer >= 0:
-                dist.send(partial, dst=self.ranks[peer], group=self.pipeline_group)
-        except RuntimeError as error:  # a peer died or hangs: name it, as the p2p layer does
-            first = (str(error).splitlines() or [""])[0]
-            raise PeerError(
-                f"rank {self.index}: post-validation partial state with rank {peer} failed: {first}"
-            ) from error
-        return PendingState(float(partial), total, work)
+        hop = None
+        if self.previous is not None:
+            received = torch.empty_like(partial)
+            with _named(f"rank {self.index}: post-validation partial state from rank {self.previous}"):
+                dist.recv(received, src=self.ranks[self.previous], group=self.pipeline_group)
+            partial += received
+        if self.next is not None:
+            with _named(f"rank {self.index}: post-validation partial state to rank {self.next}"):
+                hop = dist.isend(partial, dst=self.ranks[self.next], group=self.pipeline_group)
+        return PendingState(
+            float(partial), total, work, self.index, self.group_ranks, self.next, hop, partial
+        )
 
 
 class Snapshot:
-    """What an optimizer step overwrites: parameters and their optimizer state, copied so a
-    rollback restores them bit for bit (state the step creates is removed again)."""
+    """What an optimizer step overwrites: parameters and their optimizer state, copied by
+    :meth:`take` so :meth:`restore` puts them back bit for bit (state the step creates is
+    removed again). The copies live in buffers kept from one step to the next: allocating them
+    at every step would cost more than the copy."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
         self.optimizer = optimizer
         self.params = list(params)
-        with torch.no_grad():
-            self.values = [param.detach().clone() for param in self.params]
+        self.values: list[torch.Tensor] = []
+        self.states: list[dict[str, Any] | None] = [None] * len(self.params)
+
+    @torch.no_grad()
+    def take(self) -> None:
+        if not self.values:
+            self.values = [torch.empty_like(param) for param in self.params]
+        for value, param in zip(self.values, self.params):
+            value.copy_(param)
         self.states = [
-            {key: value.clone() if torch.is_tensor(value) else value for key, value in state.items()}
-            if (state := optimizer.state.get(param))
-            else None
-            for param in self.params
+            self._copy(self.optimizer.state.get(param), kept) for param, kept in zip(self.params, self.states)
         ]
+
+    @staticmethod
+    def _copy(state: dict[str, Any] | None, kept: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``state`` copied, into the buffers of ``kept`` where they fit."""
+        if not state:
+            return None
+        copied: dict[str, Any] = {}
+        for key, value in state.items():
+            if not torch.is_tensor(value):
+                copied[key] = value
+                continue
+            buffer = (kept or {}).get(key)
+            if torch.is_tensor(buffer) and buffer.shape == value.shape and buffer.dtype == value.dtype:
+                copied[key] = buffer.copy_(value)
+            else:
+                copied[key] = value.clone()
+        return copied
 
     @torch.no_grad()
     def restore(self) -> None:

@@ -38,8 +38,10 @@ def forward_backward(
     p2p_communicator: Any = None,
     pg_collection: Any = None,
     force_all_reduce: bool | None = False,
+    gate: Callable[[], bool] | None = None,
 ) -> list[Any]:
-    """Run one step of ``schedule`` with Megatron's arguments; see the module docstring."""
+    """Run one step of ``schedule`` with Megatron's arguments; see the module docstring.
+    ``gate``: optimizer post-validation's settle of the previous step (``PipelineRuntime.step``)."""
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     if len(models) != len(runtime.chunks) or any(a is not b for a, b in zip(models, runtime.chunks)):
         raise ValueError("model must be the list of chunks the PipelineRuntime was built with, in order")
@@ -61,6 +63,7 @@ def forward_backward(
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,
         tensor_shape=(seq_length, micro_batch_size, hidden),
+        gate=gate,
     )
     finalize = getattr(config, "finalize_model_grads_func", None)
     if finalize is not None and not forward_only:

@@ -25,6 +25,7 @@ is normalised over its tokens on all CP ranks (``context_parallel.py``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
+from ..schedule.gate import ValidationGate, gate_at_start, validation_gate
 from ..schedule.ir import Op, OpKind, Schedule
 from ..schedule.lowering import lower
 from ..schedule.models import megatron_shape
@@ -67,10 +69,71 @@ class StepResult:
     op_count: dict[str, int] = field(default_factory=dict)
     offload: OffloadStats | None = None  # what the activation copies did, when the schedule has any
     attention: AttentionCounts | None = None  # attention computed and moved (sliced schedules)
+    restarted: bool = False  # post-validation rolled the previous step back: the ops ran twice
 
 
 class PipelineError(RuntimeError):
     """An op failed; the message names the rank and the op."""
+
+
+class _Restart(Exception):
+    """The validation gate rolled the previous optimizer step back: run the step again."""
+
+
+@dataclass(frozen=True)
+class _StepArgs:
+    """What one :meth:`PipelineRuntime.step` runs, for each of its attempts."""
+
+    schedule: Schedule
+    lowered: Schedule
+    forward_step_func: ForwardStepFunc
+    forward_only: bool
+    collect_non_loss_data: bool
+    tensor_shape: Sequence[int] | ShapeFn | None
+    slice_lengths: Sequence[int] | None
+    slice_batch: SliceFn | None
+    vocab_parallel: bool
+
+
+class _Replay:
+    """The step's data iterators, keeping what they hand out so a restart reads it again."""
+
+    def __init__(self, iterators: Sequence[Iterator[Any] | None]) -> None:
+        self._sources = list(iterators)
+        self._taken: list[list[Any]] = [[] for _ in self._sources]
+        self.iterators: list[Iterator[Any] | None] = [
+            None if source is None else self._record(index) for index, source in enumerate(self._sources)
+        ]
+
+    def _record(self, index: int) -> Iterator[Any]:
+        for item in self._sources[index]:
+            self._taken[index].append(item)
+            yield item
+
+    def rewind(self) -> None:
+        self.iterators = [
+            None if source is None else itertools.chain(taken, source)
+            for source, taken in zip(self._sources, self._taken)
+        ]
+
+
+class _RngState:
+    """torch's random state (and the accelerator's) when a step attempt starts, so a restarted
+    step draws the same numbers (dropout)."""
+
+    def __init__(self) -> None:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        self.tracker = get_cuda_rng_tracker()
+        self.tracked = self.tracker.get_states()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+        self.tracker.set_states(self.tracked)
 
 
 def prepare(schedule: Schedule, forward_only: bool = False) -> Schedule:
@@ -127,6 +190,7 @@ class PipelineRuntime:
         self.offload = OffloadEngine(self.device)
         self.last_result: StepResult | None = None
         self._prepared: dict[tuple[str, bool], Schedule] = {}  # validated once per schedule
+        self._gates: dict[str, ValidationGate] = {}  # post-validation gates, once per schedule
         self.redistribution = Redistribution(comm, attn_redistribution, self.chunks)
 
     # ------------------------------------------------------------------------------------------
@@ -141,6 +205,7 @@ class PipelineRuntime:
         tensor_shape: Sequence[int] | ShapeFn | None = None,
         slice_lengths: Sequence[int] | None = None,
         slice_batch: SliceFn | None = None,
+        gate: Callable[[], bool] | None = None,
     ) -> StepResult:
         """Run ``schedule`` (lowered here if it is not) for this rank: one training step (or a
         forward-only pass) over ``schedule.microbatches`` microbatches. ``tensor_shape``
@@ -149,7 +214,15 @@ class PipelineRuntime:
         With ``schedule.slices > 1``: ``slice_lengths`` (default: the schedule's partition of the
         sequence length of ``tensor_shape``) and ``slice_batch(batch, start, end, seq_length)``,
         which cuts a whole microbatch from the iterators to one slice (default:
-        ``slicing.slice_batch``)."""
+        ``slicing.slice_batch``).
+
+        ``gate`` (optimizer post-validation): called once, at this rank's validation gate
+        (``schedule/gate.py``: before its first op that is not a forward), to settle the previous
+        optimizer step. False means that step was redone: the forwards run so far used the
+        weights it rolled back, so the step restarts from its first op with the same data (and
+        RNG state), after dropping the messages in flight at the gate. Steps whose setup
+        communicates or moves state (vocabulary parallelism, attention redistribution, offload)
+        and forward-only steps take the gate before their first op."""
         if schedule.pp != self.comm.size:
             raise ValueError(
                 f"schedule {schedule.name} has pp={schedule.pp}, the pipeline has {self.comm.size} ranks"
@@ -180,6 +253,57 @@ class PipelineRuntime:
         if vocab_parallel and self.cp_group is not None:
             raise ValueError("vocabulary parallelism with context parallelism is not supported")
 
+        step = _StepArgs(
+            schedule,
+            lowered,
+            forward_step_func,
+            forward_only,
+            collect_non_loss_data,
+            tensor_shape,
+            slice_lengths,
+            slice_batch,
+            vocab_parallel,
+        )
+        gate_at, in_flight = 0, []
+        at_start = forward_only or gate_at_start(lowered, bool(self.redistribution.cap))
+        if gate is not None and not at_start:
+            cut = self._gate(step)
+            gate_at, in_flight = cut.positions[self.rank], cut.in_flight[self.rank]
+        if gate is None or gate_at == 0:
+            # nothing has run yet; if the previous step was redone, the peers restart theirs and
+            # send again what they sent before their gates
+            kept = gate() if gate is not None else True
+            return self._attempt(step, iterators, drain=() if kept else in_flight)
+        replay = _Replay(iterators)
+        try:
+            return self._attempt(step, replay.iterators, gate=(gate, gate_at))
+        except _Restart:
+            replay.rewind()
+            result = self._attempt(step, replay.iterators, drain=in_flight)
+            result.restarted = True
+            return result
+
+    def _gate(self, step: _StepArgs) -> ValidationGate:
+        key = step.schedule.to_json()
+        if key not in self._gates:
+            self._gates[key] = validation_gate(step.lowered)
+        return self._gates[key]
+
+    def _attempt(
+        self,
+        step: _StepArgs,
+        iterators: list[Iterator[Any] | None],
+        gate: tuple[Callable[[], bool], int] | None = None,
+        drain: Sequence[Op] = (),
+    ) -> StepResult:
+        """One run of the step's ops. ``gate``: (settle, position), raising :class:`_Restart` when
+        the forwards run before it must run again. ``drain``: RECV ops whose messages, sent by
+        peers before a restart, are taken off their channels and dropped first."""
+        schedule, lowered, forward_step_func = step.schedule, step.lowered, step.forward_step_func
+        forward_only, collect_non_loss_data = step.forward_only, step.collect_non_loss_data
+        tensor_shape, slice_lengths, slice_batch = step.tensor_shape, step.slice_lengths, step.slice_batch
+        vocab_parallel = step.vocab_parallel
+        stages = lowered.placement.stages_of(self.rank)
         self.meter = ActivationMeter()
         for chunk in self.chunks:
             self.meter.exclude(chunk.parameters())
@@ -237,9 +361,13 @@ class PipelineRuntime:
             redistribution=redistribution,
             sync=sync,
             vocab=self.vocab if vocab_parallel else None,
+            gate=gate,
         )
         attention = None
+        rng = _RngState() if gate is not None else None
         try:
+            for op in drain:
+                run.drop_message(op)
             run.execute()
             if offload is not None:
                 offload.finish()
@@ -255,6 +383,10 @@ class PipelineRuntime:
                 run.vocab.discard()
             if slicing is not None:
                 slicing.release()
+            if isinstance(error, _Restart):
+                assert rng is not None
+                rng.restore()
+                raise
             self.comm.abandon()
             if failure is not None and failure not in str(error):
                 raise PeerError(f"{failure}; then the step failed: {error}") from error
@@ -368,8 +500,10 @@ class _StepRun:
         redistribution: StepRedistribution | None = None,
         sync: GradSync | None = None,
         vocab: VocabSetup | None = None,
+        gate: tuple[Callable[[], bool], int] | None = None,
     ) -> None:
         self.rt = runtime
+        self.gate = gate  # (settle the previous optimizer step, at this position)
         self.sync = sync
         self.slicing = slicing
         self.redistribution = redistribution
@@ -409,6 +543,8 @@ class _StepRun:
         if self.sync is not None:
             self.sync.begin()
         for position, op in enumerate(self.schedule.ranks[self.rt.rank]):
+            if self.gate is not None and position == self.gate[1]:
+                self._pass_gate()
             self.op_count[op.kind.value] = self.op_count.get(op.kind.value, 0) + 1
             try:
                 if self.sync is not None:
@@ -423,6 +559,8 @@ class _StepRun:
                     f"rank {self.rt.rank}: op {op} (position {position}) failed: {error}"
                 ) from error
             comm.reap()
+        if self.gate is not None:  # a rank with forwards only
+            self._pass_gate()
         comm.flush()
         if self.vocab is not None:
             self.vocab.finish()  # the embedding gradients are in: the shard's chunk may sync now
@@ -438,6 +576,19 @@ class _StepRun:
         ]
         if leftovers:
             raise PipelineError(f"rank {self.rt.rank}: step ended with " + "; ".join(leftovers[:5]))
+
+    def drop_message(self, op: Op) -> None:
+        """Take the message of RECV ``op`` that a peer sent before it restarted, and drop it."""
+        direction = "F" if op.kind == OpKind.RECV_F else "B"
+        what = f"{op} (sent before a restart: dropped)"
+        self.rt.comm.recv(self._message_shape(op), self.rt.dtype, self.rt.device, op.peer, direction, what)
+
+    def _pass_gate(self) -> None:
+        assert self.gate is not None
+        settle, _ = self.gate
+        self.gate = None
+        if not settle():
+            raise _Restart()
 
     def _run(self, op: Op) -> None:
         kind = op.kind
