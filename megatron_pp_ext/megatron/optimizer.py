@@ -103,13 +103,13 @@ class MainGradOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
-    @property
-    def pending(self) -> bool:
-        """Whether the last step still waits for its global check (:meth:`settle`)."""
-        return self._pending is not None
-
     def step(self) -> float:
-        self.settle()
+        if self._pending is not None or self._check_failed:
+            # the forwards and backwards since may have run on weights the check rolls back
+            raise RuntimeError(
+                "post-validation: settle() the previous step before the next one, at the next "
+                "iteration's validation gate (PipelineRuntime.step(gate=...))"
+            )
         gather_grad_shards(self.model)
         self._grads_from_main()
         try:
