@@ -777,7 +777,7 @@ class TrainJob:
             if timing_chain:
                 chain_timings.append(time.perf_counter() - start)
                 if len(chain_timings) == CHAIN_ITERATIONS:
-                    self._set_chain(chain_timings)
+                    self._set_chain(chain_timings, progress)
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate(settings, iteration)
             step = optimizer_step(self.optimizer, self.model)
@@ -814,7 +814,7 @@ class TrainJob:
             metrics_file.close()
         return rows
 
-    def _set_chain(self, timings: list[float]) -> None:
+    def _set_chain(self, timings: list[float], progress: Any) -> None:
         """Post-validation: pass the partial gradient state in the order the ranks of this
         pipeline finish their part of an iteration, as measured (from a barrier) over the first
         iterations but the very first. The schedule's order at unit costs can be wrong on a real
@@ -831,11 +831,12 @@ class TrainJob:
         times = [float(item) for item in gathered]
         chain = sorted(reversed(range(len(times))), key=lambda rank: times[rank])  # ties: higher first
         self.optimizer.validation.set_chain(chain)
-        self.say(
-            "post-validation: partial state along "
-            + " > ".join(f"rank {rank} ({times[rank] * 1e3:.0f} ms)" for rank in chain)
-            + f" (schedule's order at unit costs: {' > '.join(map(str, self.unit_chain))})"
-        )
+        if self.shows:  # above the progress bar
+            progress.write(
+                "post-validation: partial state along "
+                + " > ".join(f"rank {rank} ({times[rank] * 1e3:.0f} ms)" for rank in chain)
+                + f" (schedule's order at unit costs: {' > '.join(map(str, self.unit_chain))})"
+            )
 
     def _gate(self) -> bool:
         """Post-validation, at the validation gate of a step: settle the previous optimizer step
