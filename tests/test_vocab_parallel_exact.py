@@ -255,7 +255,6 @@ def _train(*args: str, timeout: float = 300):
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (["--context-parallel-size", "2"], "--context-parallel-size"),
         (["--pp-schedule", "seq1f1b", "--pp-seq-slices", "2"], "--calculate-per-token-loss"),
     ],
 )
@@ -273,8 +272,8 @@ def test_train_with_vocab_parallelism_gives_the_same_losses(tmp_path) -> None:
     vocab-1 with ZB-H1 and optimizer post-validation; vocab-2 with V-Half over DP=2 with the
     distributed optimizer, overlapped gradient reduction (the shards go through Megatron's DDP
     like any parameter) and selective activation offload; vocab-1 with SlimPipe k=2, full offload
-    and --calculate-per-token-loss. Same losses and gradient norms, and the offloading runs moved
-    bytes to the host."""
+    and --calculate-per-token-loss; vocab-2 with V-Half over CP=2. Same losses and gradient norms,
+    and the offloading runs moved bytes to the host."""
     import json
 
     common = ["--pipeline-model-parallel-size", "2", "--train-iters", "2", "--global-batch-size", "8"]
@@ -290,6 +289,10 @@ def test_train_with_vocab_parallelism_gives_the_same_losses(tmp_path) -> None:
         "vocab-1-slimpipe-offload-per-token": (
             "--pp-schedule slimpipe --pp-seq-slices 2 --pp-vocab-parallel vocab-1 --pp-offload full "
             "--calculate-per-token-loss"
+        ).split(),
+        # each CP rank embeds, and runs S and T on, its two pieces of every sequence
+        "vocab-2-vhalf-cp2": (
+            "--pp-schedule v-half --pp-vocab-parallel vocab-2 --context-parallel-size 2"
         ).split(),
     }
     rows = {}

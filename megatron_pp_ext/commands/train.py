@@ -341,8 +341,8 @@ def check(settings: TrainSettings) -> None:
 
 def _check_vocab(settings: TrainSettings) -> None:
     """``--pp-vocab-parallel`` with what the runtime runs it with (exact against the run without):
-    CP = 1 (TP, sequence and data parallelism, offload, checkpoints and post-validation are
-    fine), sequence slices only with per-token loss."""
+    sequence slices only with per-token loss (TP, sequence, context and data parallelism,
+    offload, checkpoints and post-validation are fine)."""
     variant = settings.pipeline.vocab_parallel
     if variant == "none":
         return
@@ -352,11 +352,6 @@ def _check_vocab(settings: TrainSettings) -> None:
             f"{variant} with sequence slices needs --calculate-per-token-loss (a slice's loss "
             "gradient needs the whole microbatch's token count otherwise): add it, or use an "
             "unsliced schedule",
-        )
-    if settings.cp > 1:
-        raise UsageError(
-            "--pp-vocab-parallel",
-            f"{variant} is not supported with --context-parallel-size > 1 yet: drop one of them",
         )
 
 

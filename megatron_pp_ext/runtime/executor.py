@@ -250,8 +250,6 @@ class PipelineRuntime:
                 f"schedule {schedule.name} is {schedule.vocab_parallel}, the chunks were set up for "
                 f"{self.vocab.variant}"
             )
-        if vocab_parallel and self.cp_group is not None:
-            raise ValueError("vocabulary parallelism with context parallelism is not supported")
 
         step = _StepArgs(
             schedule,
@@ -632,7 +630,8 @@ class _StepRun:
     def _batch_shape(self, op: Op) -> tuple[int, int]:
         """[b, s] of the op's unit (token ids, labels), from the activation shape [s, b, h]."""
         sequence, batch, *_ = self.shape_of(op)
-        return int(batch), int(sequence)
+        cp = 1 if self.rt.cp_group is None else torch.distributed.get_world_size(self.rt.cp_group)
+        return int(batch), int(sequence) // cp
 
     def _take(self, direction: str, stage: int, op: Op) -> Tensor:
         item = self.inbox.pop((direction, stage, op.microbatch, op.slice), None)

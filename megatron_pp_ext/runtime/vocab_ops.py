@@ -182,6 +182,8 @@ class VocabStep:
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.peek: _Peeking | None = None
+        # context parallelism: each CP rank embeds its two pieces of every sequence
+        self.cp_group = next(iter(runners.values())).cp_group if runners else None
         self.ids_over_tp = False  # only TP rank 0 of the first stage reads data: it sends the ids
         if self.is_first_rank:
             index = self.placement.chunk_index(0)
@@ -353,6 +355,11 @@ class VocabStep:
                     "vocabulary parallelism reads the token ids of the first stage's batches: "
                     "its data iterator must give dicts with 'tokens'"
                 )
+        if tokens is not None and self.cp_group is not None:
+            from ..attention.cp_layout import take_local
+
+            cp = torch.distributed.get_world_size(self.cp_group)
+            tokens = take_local(tokens, 1, cp, torch.distributed.get_rank(self.cp_group))
         if self.ids_over_tp:
             tokens = self.vp.ids_from_tp_rank_0(tokens, self.batch_shape(op))
         self._ids[key] = self.vp.e_ids(tokens, self.batch_shape(op), async_op=True)
