@@ -8,8 +8,9 @@ replaces that wait:
 1. every stage computes its local state (sum of squared gradients; a NaN or inf makes it
    non-finite) and starts the global all-reduce without waiting for it;
 2. the *partial* state travels along the pipeline in the order the ranks finish their iteration
-   (the ``chain``, read from the schedule: ``schedule.iterations.completion_order``; rank 0
-   first under ZB-H2 and V-ZB, the last rank first under 1F1B), each rank adding its own: a rank
+   (the ``chain``: ``train`` times the first iterations, and starts from the schedule's order
+   at unit costs, ``schedule.iterations.completion_order``: rank 0 first under ZB-H2 and V-ZB,
+   the last rank first under 1F1B; :meth:`PostValidation.set_chain`), each rank adding its own: a rank
    knows the state of itself and the ranks before it, a lower bound of the global one. The hop
    to the next rank is sent without waiting for it to be taken;
 3. if the partial state already shows a NaN/inf or a norm above the clip threshold, the rank

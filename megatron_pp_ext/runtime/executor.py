@@ -41,7 +41,7 @@ from ..schedule.ir import Op, OpKind, Schedule
 from ..schedule.lowering import lower
 from ..schedule.models import megatron_shape
 from ..schedule.validate import validate
-from .context_parallel import check_cp_slices, context_parallel_group
+from .context_parallel import check_cp_slices, context_parallel_group, cp_size_of
 from .grad_sync import GradSync
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, OffloadStats
@@ -190,7 +190,7 @@ class PipelineRuntime:
         self.offload = OffloadEngine(self.device)
         self.last_result: StepResult | None = None
         self._prepared: dict[tuple[str, bool], Schedule] = {}  # validated once per schedule
-        self._gates: dict[str, ValidationGate] = {}  # post-validation gates, once per schedule
+        self._gates: dict[tuple[str, bool], ValidationGate] = {}  # post-validation gates, once each
         self.redistribution = Redistribution(comm, attn_redistribution, self.chunks)
 
     # ------------------------------------------------------------------------------------------
@@ -265,7 +265,7 @@ class PipelineRuntime:
         gate_at, in_flight = 0, []
         at_start = forward_only or gate_at_start(lowered, bool(self.redistribution.cap))
         if gate is not None and not at_start:
-            cut = self._gate(step)
+            cut = self._gate(key, lowered)
             gate_at, in_flight = cut.positions[self.rank], cut.in_flight[self.rank]
         if gate is None or gate_at == 0:
             # nothing has run yet; if the previous step was redone, the peers restart theirs and
@@ -281,10 +281,10 @@ class PipelineRuntime:
             result.restarted = True
             return result
 
-    def _gate(self, step: _StepArgs) -> ValidationGate:
-        key = step.schedule.to_json()
+    def _gate(self, key: tuple[str, bool], lowered: Schedule) -> ValidationGate:
+        """The validation gates of a prepared schedule (``key`` as in ``_prepared``), once."""
         if key not in self._gates:
-            self._gates[key] = validation_gate(step.lowered)
+            self._gates[key] = validation_gate(lowered)
         return self._gates[key]
 
     def _attempt(
@@ -630,8 +630,7 @@ class _StepRun:
     def _batch_shape(self, op: Op) -> tuple[int, int]:
         """[b, s] of the op's unit (token ids, labels), from the activation shape [s, b, h]."""
         sequence, batch, *_ = self.shape_of(op)
-        cp = 1 if self.rt.cp_group is None else torch.distributed.get_world_size(self.rt.cp_group)
-        return int(batch), int(sequence) // cp
+        return int(batch), int(sequence) // cp_size_of(self.rt.config)  # this CP rank's tokens
 
     def _take(self, direction: str, stage: int, op: Op) -> Tensor:
         item = self.inbox.pop((direction, stage, op.microbatch, op.slice), None)

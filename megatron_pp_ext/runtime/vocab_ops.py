@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..schedule.ir import Op, OpKind, Placement, Schedule
+from .context_parallel import cp_size_of
 from .memory import ActivationMeter, Hold
 from .stage import Key, LossRecord, StageRunner
 from .vocab_parallel import (
@@ -184,6 +185,7 @@ class VocabStep:
         self.peek: _Peeking | None = None
         # context parallelism: each CP rank embeds its two pieces of every sequence
         self.cp_group = next(iter(runners.values())).cp_group if runners else None
+        self.cp_size = cp_size_of(config) if config is not None else 1
         self.ids_over_tp = False  # only TP rank 0 of the first stage reads data: it sends the ids
         if self.is_first_rank:
             index = self.placement.chunk_index(0)
@@ -358,8 +360,7 @@ class VocabStep:
         if tokens is not None and self.cp_group is not None:
             from ..attention.cp_layout import take_local
 
-            cp = torch.distributed.get_world_size(self.cp_group)
-            tokens = take_local(tokens, 1, cp, torch.distributed.get_rank(self.cp_group))
+            tokens = take_local(tokens, 1, self.cp_size, torch.distributed.get_rank(self.cp_group))
         if self.ids_over_tp:
             tokens = self.vp.ids_from_tp_rank_0(tokens, self.batch_shape(op))
         self._ids[key] = self.vp.e_ids(tokens, self.batch_shape(op), async_op=True)

@@ -96,18 +96,15 @@ class _Offset:
         return getattr(self._costs, name)
 
 
-def gate_before_first_op(schedule: Schedule) -> bool:
-    """Whether the runtime takes the validation gate before any op (:func:`gate.gate_at_start`;
-    SlimPipe's attention redistribution is seen through the meta ``simulate
-    --pp-attn-redistribution`` sets)."""
-    return gate_at_start(lower(schedule), bool(schedule.meta.get("attn_redistribution")))
-
-
 def gate_positions(schedule: Schedule, at_start: bool | None = None) -> list[int]:
-    """Each rank's validation gate in ``lower(schedule)``, as the runtime places it (0 for all
-    when ``at_start``, default :func:`gate_before_first_op`)."""
+    """Each rank's validation gate in ``lower(schedule)``, as the runtime places it: 0 for all
+    when ``at_start``, by default when the runtime takes the gate before any op
+    (:func:`gate.gate_at_start`; SlimPipe's attention redistribution is seen through the meta
+    ``simulate --pp-attn-redistribution`` sets)."""
     lowered = lower(schedule)
-    if gate_before_first_op(schedule) if at_start is None else at_start:
+    if at_start is None:
+        at_start = gate_at_start(lowered, bool(schedule.meta.get("attn_redistribution")))
+    if at_start:
         return [0] * lowered.pp
     return validation_gate(lowered).positions
 
@@ -275,7 +272,7 @@ def simulate_iterations(
     p2p latency when it has one (``comm``), else 0. ``chain``: see :func:`chain_order`; ``auto``
     is fixed from the first iteration, as the runtime fixes it. ``gate_at_start``
     (post-validation): every gate at position 0; default as the runtime decides
-    (:func:`gate_before_first_op`)."""
+    (:func:`gate_positions`)."""
     if iterations < 1:
         raise ValueError(f"iterations must be at least 1, got {iterations}")
     if optimizer not in OPTIMIZERS:
