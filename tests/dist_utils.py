@@ -50,7 +50,8 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    # one thread a rank by default (2 cores); PP_EXT_TEST_THREADS checks other kernel splits
+    torch.set_num_threads(int(os.environ.get("PP_EXT_TEST_THREADS", "1")))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     try:

@@ -16,8 +16,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from exactness import check, check_worst, training_tolerance
+from runtime_case import rel_error
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH = ROOT / "patches" / "megatron-lm-core_v0.16.1.patch"
@@ -37,6 +40,13 @@ TINY = (
     "--use-cpu-initialization --no-rope-fusion --no-persist-layer-norm --no-masked-softmax-fusion "
     "--rerun-mode disabled --eval-interval 100 --eval-iters 1 --no-create-attention-mask-in-dataloader"
 ).split()
+# The suite's tolerance (exactness.py) for TINY's two steps of 6 sequences of 32 tokens.
+TINY_TOLERANCE = training_tolerance(
+    SimpleNamespace(num_layers=8, hidden_size=64, ffn_hidden_size=176, seq_length=32, dtype="float32"),
+    microbatches=6,
+    steps=2,
+    micro_batch=1,
+)
 
 
 def apply_patch(tree: Path) -> subprocess.CompletedProcess:
@@ -224,35 +234,38 @@ def one_f_one_b(patched_tree: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def assert_same_training(
-    run: list[dict], reference: list[dict], tolerance: float, same_sums: bool = True
+    run: list[dict], reference: list[dict], tolerance: float | None = None, same_sums: bool = True
 ) -> None:
-    """The losses Megatron's train_step reports on the last pipeline rank (relative ``tolerance``),
-    and every final weight by global name, gathered over all ranks.
+    """The losses Megatron's train_step reports on the last pipeline rank, and every final weight by
+    global name, gathered over all ranks.
 
     ``same_sums``: both runs add the same numbers in the same order (only the schedule differs),
-    so every weight agrees within ``tolerance``. Otherwise (attention over CP ranks, slices)
-    float32 rounding differs, and Adam turns the rounding of a gradient element near zero into
-    a visible fraction of its step (lr per element per step): then all but 0.1% of the elements
-    agree within ``tolerance`` and none by more than 5% of one step."""
+    so losses and every weight element agree within ``tolerance`` (of the largest weight).
+    Otherwise (attention over CP ranks, slices, TP shards) float32 rounding differs: then the
+    losses and every weight tensor, relative to its norm, agree within the suite's rule for TINY's
+    two steps (``exactness.py``). An element-wise check would not hold there: Adam turns the
+    rounding of a gradient element near zero into a visible fraction of its step."""
     ours = [item["lm loss"] for item in run[-1]["losses"]]
     theirs = [item["lm loss"] for item in reference[-1]["losses"]]
-    assert len(ours) == 2 and ours == pytest.approx(theirs, rel=tolerance, abs=0)
-    assert ours[0] != ours[1], "the first step changed nothing"
+    assert len(ours) == 2 and ours[0] != ours[1], "the first step changed nothing"
     weights = {k: v for rank in run for k, v in rank["weights"].items()}
     expected = {k: v for rank in reference for k, v in rank["weights"].items()}
     assert weights.keys() == expected.keys() and len(weights) > 20
     import torch
 
-    errors = torch.cat(
-        [(torch.tensor(weights[k]) - torch.tensor(expected[k])).abs().flatten() for k in weights]
-    )
-    moved = max(float(torch.tensor(v).abs().max()) for v in weights.values())
     if same_sums:
+        assert tolerance is not None
+        assert ours == pytest.approx(theirs, rel=tolerance, abs=0)
+        errors = torch.cat(
+            [(torch.tensor(weights[k]) - torch.tensor(expected[k])).abs().flatten() for k in weights]
+        )
+        moved = max(float(torch.tensor(v).abs().max()) for v in weights.values())
         assert float(errors.max()) <= tolerance * moved, float(errors.max())
         return
-    lr = 1e-3  # TINY's --lr
-    assert float(errors.max()) <= 0.05 * lr, float(errors.max())
-    assert float((errors > tolerance * moved).float().mean()) <= 1e-3
+    for step, (got, want) in enumerate(zip(ours, theirs)):
+        check(abs(got - want) / abs(want), TINY_TOLERANCE, f"step {step + 1} loss")
+    errors = {k: rel_error(torch.tensor(weights[k]), torch.tensor(expected[k])) for k in weights}
+    check_worst(errors, TINY_TOLERANCE, "after 2 steps, weight")
 
 
 @pytest.mark.slow
@@ -266,6 +279,7 @@ def test_train_step_v_shape_equals_1f1b(patched_tree: Path, tmp_path: Path, one_
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_train_step_context_parallel_slices_equal_1f1b(
     patched_tree: Path, tmp_path: Path, one_f_one_b: list[dict]
 ) -> None:
@@ -276,7 +290,7 @@ def test_train_step_context_parallel_slices_equal_1f1b(
     run = run_driver(patched_tree, tmp_path, "train", 4, flags)
     assert [rank["losses"] == [{}, {}] for rank in run] == [True, True, False, False]  # pp rank 1 reports
     assert run[2]["losses"] == run[3]["losses"], "the CP ranks of the last stage report one loss"
-    assert_same_training(run, one_f_one_b, 2e-6, same_sums=False)  # CP ranks hold the same weights
+    assert_same_training(run, one_f_one_b, same_sums=False)  # CP ranks hold the same weights
 
 
 @pytest.fixture(scope="module")
@@ -286,6 +300,7 @@ def tp2_one_f_one_b(patched_tree: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_train_step_tensor_parallel_slices_equal_1f1b(
     patched_tree: Path, tmp_path: Path, tp2_one_f_one_b: list[dict]
 ) -> None:
@@ -297,7 +312,7 @@ def test_train_step_tensor_parallel_slices_equal_1f1b(
     )
     whole = tp2_one_f_one_b
     assert any(name.endswith("@tp1") for name in sliced[-1]["weights"]), "no tensor-parallel shards"
-    assert_same_training(sliced, whole, 2e-6, same_sums=False)
+    assert_same_training(sliced, whole, same_sums=False)
 
 
 @pytest.fixture(scope="module")
@@ -347,10 +362,11 @@ def test_train_step_vocab_parallel_equals_1f1b(
         assert theirs[table] == {((0, 0), (384, 64))}
         assert ours[table] == {((0, 0), (384, 64)), ((192, 0), (384, 64))}  # rank r: rows from 192 r
     # the cross-entropy is computed in pieces: float rounding differs from the unsplit run
-    assert_same_training(run, one_f_one_b, 2e-6, same_sums=False)
+    assert_same_training(run, one_f_one_b, same_sums=False)
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_train_step_vocab_parallel_with_tensor_parallelism(
     patched_tree: Path, tmp_path: Path, tp2_one_f_one_b: list[dict]
 ) -> None:
@@ -362,7 +378,7 @@ def test_train_step_vocab_parallel_with_tensor_parallelism(
     flags = [*TP2_PP2, "--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-1"]
     split = run_driver(patched_tree, tmp_path, "train", 4, flags)
     assert any(name.endswith("@tp1") for name in split[-1]["weights"]), "no tensor-parallel shards"
-    assert_same_training(split, tp2_one_f_one_b, 2e-6, same_sums=False)
+    assert_same_training(split, tp2_one_f_one_b, same_sums=False)
 
 
 @pytest.mark.slow

@@ -1,13 +1,13 @@
 """SlimPipe's attention workload redistribution on real ranks.
 
 In one process: sliced attention that hands its oldest K/V slices to a (here in-process) partner
-equals plain causal attention in output and every gradient, and refuses autograd-only backends.
-On gloo processes: SlimPipe steps with ``attn_redistribution`` on give the loss and ALL
-gradients of the unsliced, unpipelined reference (fp32, relative error < 1e-5; the tiny model
+equals plain causal attention in output and every gradient, and refuses autograd-only backends. On
+gloo processes: SlimPipe steps with ``attn_redistribution`` on give the loss and ALL gradients of
+the unsliced, unpipelined reference (fp32, within the suite's rule ``exactness.py``; the tiny model
 has GQA, 4 heads over 2 KV heads), over two steps in a row (service threads start and stop every
 step); what one rank hands away is exactly what its partners served; per lock-step slot the
-attention work across ranks is more even than without; the Megatron hook takes the flag; a
-partner that fails is named, and the rank waiting on it names the op and the partner.
+attention work across ranks is more even than without; the Megatron hook takes the flag; a partner
+that fails is named, and the rank waiting on it names the op and the partner.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import time
 import pytest
 import torch
 from dist_utils import RankFailure, check_ok, run_ranks
+from exactness import check, step_terms, tolerance, training_tolerance
 from runtime_case import MICRO_BATCH, forward_step, loss_values, make_batches, rel_error, tiny_model
 from test_sliced_attention import TinyAttention, reference_layer
 
 from megatron_pp_ext.attention import SliceContext, attach_slice_context
 from megatron_pp_ext.attention.remote import InProcessRemote
 
-TOLERANCE = 1e-5
 SEQ = 128
 CAP = 0.5
 STEPS = 2
@@ -68,11 +68,12 @@ def test_delegated_oldest_slices_give_full_attention_and_gradients(backend, dtyp
     whole = x.clone().requires_grad_()
     want = reference_layer(layer, whole)
     torch.autograd.backward(want, dy)
-    tol = 1e-10 if dtype == torch.float64 else TOLERANCE
-    assert rel_error(torch.cat([outs[j] for j in range(len(lengths))]), want) < tol
-    assert rel_error(torch.cat([leaves[j].grad for j in range(len(lengths))]), whole.grad) < tol
+    # one layer: weight gradients sum over every token; a row contracts over keys or 4 heads of 4
+    tol = tolerance(dtype, step_terms(seq * batch, 1, max(seq, 16)))
+    check(rel_error(torch.cat([outs[j] for j in range(len(lengths))]), want), tol, "output")
+    check(rel_error(torch.cat([leaves[j].grad for j in range(len(lengths))]), whole.grad), tol, "input grad")
     for got, param in zip(weight_grads, layer.parameters()):
-        assert rel_error(got, param.grad) < tol
+        check(rel_error(got, param.grad), tol, "weight grad")
     # every query-key pair counted once per pass, here or handed away: S(S+1)/2 per pass
     assert ctx.pairs_local + ctx.pairs_remote == 3 * batch * seq * (seq + 1) // 2
     assert (ctx.pairs_remote > 0) == (handed > 0)
@@ -194,10 +195,12 @@ def _launch(world: int) -> tuple:
 
 def _check_exact(world: int, cap: float) -> None:
     reports = [r[cap] for r in _launch(world)]
+    limit = training_tolerance(model_config(world), CASES[world][0], 1)  # each step from the same weights
     for rank, r in enumerate(reports):
-        assert r["grad_error"] < TOLERANCE, f"rank {rank}: gradient off by {r['grad_error']:.3g}"
+        check(r["grad_error"], limit, f"rank {rank}: gradient")
     loss_errors = [r["loss_error"] for r in reports if r["loss_error"] is not None]
-    assert len(loss_errors) == 1 and loss_errors[0] < TOLERANCE, loss_errors
+    assert len(loss_errors) == 1, loss_errors
+    check(loss_errors[0], limit, "loss")
     if cap:
         assert any(r["plan"] for r in reports), "the plan moved nothing: the test tests nothing"
     # what each rank handed to a partner is exactly what that partner served for it
@@ -263,10 +266,11 @@ def test_redistribution_evens_out_the_attention_across_ranks_p4_k8() -> None:
 
 def test_megatron_hook_runs_redistribution_exactly_and_forward_only() -> None:
     reports = [r["hook"] for r in _launch(2)]
+    limit = training_tolerance(model_config(2), CASES[2][0], 1)
     for rank, r in enumerate(reports):
-        assert r["grad_error"] < TOLERANCE, (rank, r)
-    assert [r["loss_error"] for r in reports if r["loss_error"] is not None][0] < TOLERANCE
-    assert [r["eval_error"] for r in reports if r["eval_error"] is not None][0] < TOLERANCE
+        check(r["grad_error"], limit, f"rank {rank}: gradient")
+    check([r["loss_error"] for r in reports if r["loss_error"] is not None][0], limit, "loss")
+    check([r["eval_error"] for r in reports if r["eval_error"] is not None][0], limit, "evaluation loss")
     assert sum(r["delegated"] for r in reports) > 0
 
 

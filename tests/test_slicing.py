@@ -183,6 +183,7 @@ def test_train_names_the_slice_flag_before_processes_start() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_long_context_config_trains() -> None:
     done = train("--config", "tiny-llama-long", "--iterations", "3", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
