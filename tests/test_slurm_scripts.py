@@ -209,6 +209,34 @@ def test_every_sbatch_dry_run_passes_megatrons_parser(tmp_path: Path) -> None:
     assert gpt3["normalization"] == "LayerNorm" and not gpt3["swiglu"]
     assert by_name["llama2-7b 32K v-zb"]["virtual_pipeline_model_parallel_size"] == 2  # V-shape: 2 chunks
 
+    # NCCL's rules (schedule/nccl_check.py): every layout's schedule completes one step as the
+    # runtime runs it (communicators warmed up front); created lazily at first use instead, the
+    # SlimPipe layouts with 2p slices would hang at their first step
+    from megatron_pp_ext.schedule.nccl_check import check_nccl
+
+    checked = 0
+    for name, got in by_name.items():
+        schedule = layout_schedule(got)
+        if schedule is not None:
+            assert check_nccl(schedule, strict=False, warmed=True) is None, name
+            checked += 1
+    assert checked >= len(SCRIPTS)
+    for tag in ("256k", "512k"):
+        hang = check_nccl(layout_schedule(by_name[f"llama2-70b-slimpipe-{tag}.sbatch"]), strict=False)
+        assert hang is not None and "creating" in hang.message(), tag
+
+
+def layout_schedule(got: dict):
+    """The schedule a parsed pretrain_gpt.py command line runs (None without a pipeline)."""
+    from megatron_pp_ext.schedule.generators import generate
+
+    pp = got["pipeline_model_parallel_size"]
+    if pp < 2:
+        return None
+    microbatches = got["global_batch_size"] // (got["micro_batch_size"] * got["data_parallel_size"])
+    slices = got.get("pp_seq_slices") or 1
+    return generate(got["pp_schedule"], pp, microbatches, vpp=got.get("pp_chunks"), slices=slices)
+
 
 def test_the_harness_sees_megatrons_refusals(tmp_path: Path) -> None:
     """Not vacuous: an unknown flag, CUDA_DEVICE_MAX_CONNECTIONS missing with TP > 1, and a world

@@ -10,6 +10,8 @@ activations plus weights, gradients and optimizer state (``schedule/memory_model
 ``--iterations N`` the schedule runs N times back to back with the optimizer step between
 (``schedule/iterations.py``): the iteration-boundary bubble, and with ``--pp-post-validation``
 how much Zero Bubble's optimizer post-validation takes back (``docs/post_validation.md``).
+Every report also says whether the schedule completes under NCCL's rules (``schedule/nccl_check.py``:
+in-order completion and rendezvous sends with the communicators warmed up, and lazy creation).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..schedule.ir import Schedule, load
 from ..schedule.iterations import IterationsResult, simulate_iterations
 from ..schedule.memory_model import MemoryParts, ParallelError, Parallelism, check_parallel, stage_layers
 from ..schedule.models import ModelShape
+from ..schedule.nccl_check import nccl_summary
 from ..schedule.offload import (
     OffloadError,
     add_offload_args,
@@ -453,6 +456,7 @@ def result_dict(args: argparse.Namespace, result: SimResult) -> dict[str, Any]:
         data["parallel"] = asdict(parallel_from_args(args))
         data["memory_parts_bytes"] = [p.to_dict() for p in parts]
     data["memory_max_over_min"] = memory_balance(args, result)
+    data["nccl"] = nccl_summary(result.schedule)
     if result.without_vocab is not None:
         data["without_vocab_parallel"] = result_dict(args, result.without_vocab)
     runs = getattr(result, "iterations", None)
@@ -649,6 +653,7 @@ def run(args: argparse.Namespace) -> int:
         print(vocab_summary(args, result))
     if getattr(result, "iterations", None):
         print(iterations_summary(result.iterations))  # type: ignore[attr-defined]
+    print(nccl_line(nccl_summary(result.schedule)))
     meta = result.schedule.meta
     if "bubble_without_redistribution" in meta:
         print(
@@ -659,6 +664,14 @@ def run(args: argparse.Namespace) -> int:
             f"  as the runtime moves it (whole oldest K/V slices): bubble {meta['bubble_whole_slices']:.3f}"
         )
     return 0
+
+
+def nccl_line(found: dict[str, str | None]) -> str:
+    """Whether the schedule completes under NCCL's rules, and the first hang's message."""
+    names = {"strict": "in-order", "relaxed": "relaxed", "lazy_creation": "lazy creation"}
+    verdicts = ", ".join(f"{names[key]} {'hangs' if found[key] else 'completes'}" for key in names)
+    first = next((found[key] for key in ("relaxed", "lazy_creation", "strict") if found[key]), None)
+    return f"NCCL: {verdicts}" + (f": {first}" if first else "")
 
 
 def memory_summary(memory: list[MemoryParts]) -> str:

@@ -76,6 +76,7 @@ class PipelineOptions:
     attn_redistribution: float = 0.0  # SlimPipe's cap on the attention a heavy slice hands away
     vocab_parallel: str = "none"  # none, vocab-1 or vocab-2 (docs/vocab_parallel.md)
     calculate_per_token_loss: bool = False  # Megatron's flag: vocabulary parallelism with slices needs it
+    emulate_nccl: bool = False  # impose NCCL's communicator creation rule on gloo (runtime/creation.py)
 
     @classmethod
     def from_args(cls, args: Any) -> PipelineOptions:
@@ -96,6 +97,7 @@ class PipelineOptions:
             attn_redistribution=getattr(args, "pp_attn_redistribution", None) or 0.0,
             vocab_parallel=getattr(args, "pp_vocab_parallel", None) or "none",
             calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
+            emulate_nccl=bool(getattr(args, "pp_emulate_nccl", False)),
         )
 
     def schedule_for(
@@ -121,8 +123,10 @@ class PipelineOptions:
         schedule = self.with_vocab(schedule)
         if self.offload == "auto":
             self.offload_policy()  # checks the flags; k is known once the model runs
-            return schedule
-        return self.with_offload(schedule)
+        else:
+            schedule = self.with_offload(schedule)
+        check_under_nccl(schedule)
+        return schedule
 
     def with_vocab(self, schedule: Schedule) -> Schedule:
         """``--pp-vocab-parallel``: the schedule with the vocabulary ops (before offload, which
@@ -189,6 +193,23 @@ class PipelineOptions:
             raise OptionError(message, flags.get(error.flag, error.flag)) from None
 
 
+def check_under_nccl(schedule: Schedule) -> None:
+    """Refuse, before the first step, a schedule that would hang under NCCL as the runtime runs
+    it (``schedule/nccl_check.py``): every communicator created up front in one global order
+    (``runtime/creation.py``, so lazy creation cannot hang it) and rendezvous sends. NCCL's third
+    rule, completion in launch order across communicators, is not met by the runtime's unbatched
+    sends yet: ``simulate`` reports it, nothing refuses it."""
+    from ..schedule.nccl_check import check_nccl
+
+    hang = check_nccl(schedule, strict=False, warmed=True)
+    if hang is not None:
+        raise OptionError(
+            f"{schedule.name} would hang under NCCL: {hang.message()}; choose another schedule or "
+            "vocabulary variant",
+            "--pp-schedule",
+        )
+
+
 def parse_costs(text: str) -> Costs:
     values = [float(part) for part in str(text).split(",")]
     if len(values) != 3 or min(values) <= 0:
@@ -232,6 +253,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         default=300.0,
         help="seconds a rank waits for a peer before failing with the op and peer named",
+    )
+    group.add_argument(
+        "--pp-emulate-nccl",
+        action="store_true",
+        help="on gloo, create each communicator at its first use and block until every member "
+        "arrives, as NCCL does, so an order that would hang under NCCL hangs here too (until "
+        "--pp-p2p-timeout names it); the runtime warms every communicator up front, so none should",
     )
     group.add_argument(
         REDISTRIBUTION,
@@ -361,7 +389,9 @@ class Installed:
 
             ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
             config = get_model_config(models[0])
-            comm = PipeComm(ranks=ranks, timeout_s=self.options.p2p_timeout)
+            comm = PipeComm(
+                ranks=ranks, timeout_s=self.options.p2p_timeout, emulate_nccl=self.options.emulate_nccl
+            )
             self._runtimes[key] = PipelineRuntime(
                 models,
                 comm,

@@ -42,6 +42,7 @@ from ..schedule.lowering import lower
 from ..schedule.models import megatron_shape
 from ..schedule.validate import validate
 from .context_parallel import check_cp_slices, context_parallel_group, cp_size_of
+from .creation import Communicator, CreationError
 from .grad_sync import GradSync
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, OffloadStats
@@ -170,8 +171,13 @@ class PipelineRuntime:
         deallocate_outputs: bool = True,
         attn_redistribution: float = 0.0,
         vocab: VocabSetup | None = None,
+        warm_up: bool = True,
     ) -> None:
         self.chunks = list(chunks)
+        # create every communicator of a schedule before its first step, in one global order
+        # (creation.py); off only to show what a lazy creation order does under --pp-emulate-nccl
+        self.warm_up = warm_up
+        self._warmed: set[tuple[int, int]] = set()  # (id of a prepared schedule, attention links)
         self.vocab = vocab
         self.comm = comm
         self.rank = comm.rank
@@ -281,6 +287,19 @@ class PipelineRuntime:
             result.restarted = True
             return result
 
+    def _communicators(self, lowered: Schedule, vocab_parallel: bool) -> list[Communicator]:
+        """Every communicator a step of ``lowered`` talks over: the pairs of its SEND/RECV ops,
+        the vocabulary channels, Megatron's CP group and the attention-redistribution links."""
+        creation = self.comm.creation
+        found = creation.pairs_of(lowered)
+        if vocab_parallel and self.vocab is not None:
+            found += [creation.group(f"vocab-{name}", group) for name, group in self.vocab.vp.groups.named()]
+        if self.cp_group is not None:
+            found.append(creation.group("context-parallel", self.cp_group))
+        for (source, partner), group in self.redistribution.links().items():
+            found.append(creation.link(source, partner, group))
+        return found
+
     def _gate(self, key: tuple[str, bool], lowered: Schedule) -> ValidationGate:
         """The validation gates of a prepared schedule (``key`` as in ``_prepared``), once."""
         if key not in self._gates:
@@ -361,6 +380,10 @@ class PipelineRuntime:
             vocab=self.vocab if vocab_parallel else None,
             gate=gate,
         )
+        warmed = (id(lowered), len(self.redistribution.links()))
+        if self.warm_up and warmed not in self._warmed:
+            self.comm.creation.warm_up(self._communicators(lowered, vocab_parallel))
+            self._warmed.add(warmed)
         attention = None
         rng = _RngState() if gate is not None else None
         try:
@@ -551,7 +574,7 @@ class _StepRun:
                 if self.sync is not None:
                     self.sync.after(position)
             except Exception as error:
-                if isinstance(error, (PipelineError, PeerError)):
+                if isinstance(error, (PipelineError, PeerError, CreationError)):
                     raise
                 raise PipelineError(
                     f"rank {self.rt.rank}: op {op} (position {position}) failed: {error}"
@@ -611,6 +634,9 @@ class _StepRun:
         elif kind == OpKind.RELOAD:
             self.rt.offload.reload(op.unit)
         elif op.is_vocab and self.vocab is not None:
+            creation = self.rt.comm.creation
+            for name, group in self.vocab.vp.groups.of_op(op.kind, self.vocab.vp.variant):
+                creation.use(creation.group(f"vocab-{name}", group), str(op))
             self.vocab.run(op)
         else:
             raise PipelineError(f"rank {self.rt.rank}: unknown op {op}")

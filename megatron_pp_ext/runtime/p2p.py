@@ -10,6 +10,11 @@ messages or deadlock a send behind a receive. Gloo (CPU) behaves the same way.
 A receive that does not complete within ``timeout_s`` — the peer died, hangs or never sends —
 raises :class:`PeerError` naming this rank, the op and the peer, instead of hanging.
 
+Under NCCL each pair of each group is a communicator of its own, created at its first use
+(blocking until both ranks arrive): ``creation`` (``creation.py``) warms every pair a schedule
+uses, and the runtime's other groups, before the step, in one global order; with
+``emulate_nccl`` it imposes that creation rule on gloo too.
+
 Gloo send handles never report completion without a blocking ``wait()``, so on gloo one helper
 thread per channel (direction, peer) waits on that channel's sends in order (``wait`` releases
 the GIL) and marks each done; a send buffer is released as soon as it is out, which keeps the
@@ -28,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .creation import Creation
 
 
 class PeerError(RuntimeError):
@@ -81,7 +88,9 @@ class PipeComm:
     holds several pipelines; each process then learns all of them (one ``all_gather_object``) and
     creates every pipeline's groups, keeping its own (:meth:`new_group`)."""
 
-    def __init__(self, ranks: Sequence[int] | None = None, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, ranks: Sequence[int] | None = None, timeout_s: float = 300.0, emulate_nccl: bool = False
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipeComm needs torch.distributed to be initialised")
         self.ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
@@ -104,6 +113,14 @@ class PipeComm:
         # measured bubble, once divided by the step time.
         self.wait_seconds = 0.0
         self._waiters: dict[tuple[str, int], _SendWaiter] = {}
+        self.creation = Creation(self, emulate_nccl)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this backend's buffers live (NCCL: the current GPU)."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def new_group(self, pipeline_ranks: Sequence[int]) -> dist.ProcessGroup:
         """The process group of these pipeline ranks (indices into ``ranks``) of this pipeline.
@@ -118,7 +135,8 @@ class PipeComm:
                 mine = group
         return mine
 
-    def _group(self, direction: str, sender: int, receiver: int) -> dist.ProcessGroup:
+    def channel_group(self, direction: str, sender: int, receiver: int) -> dist.ProcessGroup:
+        """The group of messages ``direction`` (F or B) from ``sender`` to ``receiver``."""
         return self._groups[(direction, receiver > sender)]
 
     # ---- sends -------------------------------------------------------------------------------
@@ -128,7 +146,8 @@ class PipeComm:
     ) -> None:
         """Start sending ``tensor`` to pipeline rank ``peer``; ``on_done`` runs once it is out."""
         buffer = tensor.detach().contiguous()
-        group = self._group(direction, self.rank, peer)
+        group = self.channel_group(direction, self.rank, peer)
+        self.creation.use(self.creation.pair(direction, self.rank, peer), what)
         try:
             work = dist.isend(buffer, dst=self.ranks[peer], group=group)
         except RuntimeError as error:
@@ -209,7 +228,8 @@ class PipeComm:
     ) -> Tensor:
         """Receive a tensor from pipeline rank ``peer``; raise :class:`PeerError` on timeout."""
         buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
-        group = self._group(direction, peer, self.rank)
+        group = self.channel_group(direction, peer, self.rank)
+        self.creation.use(self.creation.pair(direction, peer, self.rank), what)
         try:
             work = dist.irecv(buffer, src=self.ranks[peer], group=group)
         except RuntimeError as error:

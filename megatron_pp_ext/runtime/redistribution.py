@@ -326,6 +326,10 @@ class Redistribution:
             self._layers = {stage: count for part in gathered for stage, count in part.items()}
         return [self._layers.get(stage, 0) for stage in range(schedule.num_stages)]
 
+    def links(self) -> dict[tuple[int, int], Any]:
+        """(source, partner) pipeline ranks -> the group of their link, for the plans made so far."""
+        return dict(self._groups)
+
     def begin(
         self, plan: Plan, ops: Sequence[Op], contexts: Sequence[SliceContext], placement: Any
     ) -> StepRedistribution:

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..schedule.ir import OpKind
 from .weight_grad import accumulate_grad
 
 VARIANTS = ("vocab-1", "vocab-2")
@@ -139,6 +140,23 @@ class VocabGroups:
     tp: Any = None
     tp_out: Any = None
     tp_ids: Any = None
+
+    def named(self) -> list[tuple[str, Any]]:
+        """(channel name, group) of every group this rank has, for the warm-up."""
+        names = ("x", "out", "emb", "stats", "tp", "tp_out", "tp_ids")
+        return [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
+
+    def of_op(self, kind: OpKind, variant: str) -> list[tuple[str, Any]]:
+        """(channel name, group) of the collectives a vocabulary op issues on the pipeline."""
+        names = {
+            OpKind.BCAST_X: ("x",),
+            OpKind.REDUCE_S: ("stats", "out") if variant == "vocab-2" else ("stats",),
+            OpKind.REDUCE_T: ("out",),
+            OpKind.BCAST_IDS: ("emb",),
+            OpKind.REDUCE_EMB: ("emb",),
+            OpKind.BCAST_DEMB: ("emb",),
+        }.get(kind, ())
+        return [(name, getattr(self, name)) for name in names]
 
     @classmethod
     def create(cls) -> VocabGroups:

@@ -1,0 +1,286 @@
+"""check_nccl: schedules that gloo runs but NCCL hangs (lazy communicator creation, rendezvous
+sends, in-order completion on one GPU) are caught, naming the rank, op, channel and peer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_pp_ext.cli import main
+from megatron_pp_ext.schedule.generators import SCHEDULES, generate
+from megatron_pp_ext.schedule.ir import Op, OpKind, Schedule, format_op
+from megatron_pp_ext.schedule.lowering import insert_offload, lower
+from megatron_pp_ext.schedule.nccl_check import Hang, check_nccl, nccl_summary
+from megatron_pp_ext.schedule.nccl_replay import CommOp, Program, Replay, Thread
+from megatron_pp_ext.schedule.redistribute import delegation_plan
+from megatron_pp_ext.schedule.validate import validate
+from megatron_pp_ext.schedule.vocab import add_vocab_passes
+
+# Schedules that lazy creation never hangs: each rank talks to its neighbours only, and opens
+# every pair before it needs a message that depends on it (the interleaved ones open the pair
+# (0, p-1) in mid-step, some too late).
+LAZY_SAFE = {
+    "1f1b",
+    "seq1f1b",
+    "slimpipe",
+    "zb-h1",
+    "zb-h2",
+    "zb-auto",
+    "v-min",
+    "v-half",
+    "v-zb",
+    "dualpipev",
+}
+
+
+def two_rank(rank0: str, rank1: str, microbatches: int = 2, **header: str) -> Schedule:
+    lines = ["pp: 2", f"microbatches: {microbatches}"]
+    lines += [f"{key}: {value}" for key, value in header.items()]
+    lines += [f"rank 0: {rank0}", f"rank 1: {rank1}"]
+    schedule = Schedule.from_text("\n".join(lines))
+    validate(schedule)
+    return schedule
+
+
+def where(hang: Hang | None) -> tuple:
+    assert hang is not None
+    return hang.rank, hang.position, format_op(hang.op), hang.channel, hang.peers
+
+
+def smallest(name: str, pp: int, vpp: int | None = None, slices: int = 1) -> Schedule:
+    spec = SCHEDULES[name]
+    vpp = spec.default_vpp if vpp is None else vpp
+    return generate(name, pp, max(pp, spec.min_microbatches(pp, vpp, slices)), vpp=vpp, slices=slices)
+
+
+# ---- hand-written schedules ----------------------------------------------------------------
+
+
+def test_opposite_orders_on_two_communicators_hang_in_order() -> None:
+    # rank 0 sends F0:1 then receives B0:0; rank 1 sends B1:0 then receives F1:1.
+    schedule = lower(two_rank("F0:0 F0:1 BW0:0 BW0:1", "F1:0 BW1:0 F1:1 BW1:1"))
+    hang = check_nccl(schedule, strict=True, warmed=True)
+    assert where(hang) == (0, 4, "RECV_B0:0<1", "p2p-B-down pair 0-1", (1,))
+    assert "queued behind SEND_F0:1>1 (p2p-F-up pair 0-1)" in hang.reason
+    assert "for rank 1, which waits at RECV_F1:1<0 (position 4)" in hang.message()
+    assert "\n" not in hang.message() and "fix: " in hang.message()
+    # each communicator on its own, or the adjacent send and receive batched: it completes
+    assert check_nccl(schedule, strict=False, warmed=True) is None
+    assert check_nccl(schedule, strict=False, warmed=False) is None
+    assert check_nccl(schedule, strict=True, warmed=True, batch=True) is None
+
+
+def test_first_send_on_a_new_pair_hangs_under_lazy_creation() -> None:
+    # Interleaved on 2 ranks: rank 0's SEND_B2:0 opens pair 0-1 of the B-up group, whose first
+    # use on rank 1 is RECV_B1:0, after RECV_F1:1, which rank 0 sends only after SEND_B2:0.
+    schedule = two_rank(
+        "F0:0 F2:0 BW2:0 F0:1 F2:1 BW2:1 BW0:0 BW0:1",
+        "F1:0 F3:0 BW3:0 F1:1 F3:1 BW3:1 BW1:0 BW1:1",
+        num_stages="4",
+    )
+    hang = check_nccl(lower(schedule), strict=False, warmed=False)
+    assert where(hang) == (0, 7, "SEND_B2:0>1", "p2p-B-up pair 0-1", (1,))
+    assert "which waits at RECV_F1:1<0 (position 7) on p2p-F-up pair 0-1" in hang.reason
+    assert "lazy creation" in hang.reason and "warm-up" in hang.fix
+    assert check_nccl(lower(schedule), strict=False, warmed=True) is None
+
+
+RENDEZVOUS = (
+    "F0:0 SEND_F0:0>1 F0:1 SEND_F0:1>1 F0:2 RECV_B0:0<1 B0:0 SEND_F0:2>1 W0:0 "
+    "RECV_B0:1<1 B0:1 W0:1 RECV_B0:2<1 B0:2 W0:2",
+    "RECV_F1:0<0 F1:0 B1:0 SEND_B1:0>0 W1:0 RECV_F1:1<0 F1:1 B1:1 SEND_B1:1>0 W1:1 "
+    "RECV_F1:2<0 F1:2 B1:2 SEND_B1:2>0 W1:2",
+)
+
+
+def test_rendezvous_cycle_on_one_communicator() -> None:
+    # Both ranks send, then (not adjacent) receive on the same pair: a large send waits for its
+    # receive, which is queued behind the peer's own send.
+    schedule = two_rank(*RENDEZVOUS, microbatches=3)
+    assert check_nccl(schedule, strict=False, warmed=True) is None  # four groups: one way each
+    hang = check_nccl(schedule, strict=False, warmed=True, batch=True)  # one group per pair
+    assert where(hang) == (0, 5, "RECV_B0:0<1", "p2p pair 0-1", (1,))
+    assert "queued behind SEND_F0:1>1 (p2p pair 0-1)" in hang.reason
+    assert "p2p pair 0-1 completes its operations in order" in hang.reason
+
+
+def _exchange(replay: Replay, rank: int, eager: bool) -> Program:
+    thread = Thread(rank, "main")
+
+    def program() -> Program:
+        comm = replay.comm("pair", (0, 1))
+        yield from replay.create(thread, [comm])
+        replay.launch(rank, [CommOp(rank, comm, "send", "X", peer=1 - rank, eager=eager)])
+        recv = replay.launch(rank, [CommOp(rank, comm, "recv", "Y", peer=1 - rank)])
+        if not recv.done:
+            yield ("unit", recv)
+
+    return replay.start(thread, program())
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_only_large_sends_wait_for_their_receive(eager: bool) -> None:
+    replay = Replay(2, strict=False, warmed=False)
+    for rank in range(2):
+        _exchange(replay, rank, eager)
+    stuck = replay.run()
+    assert [t.rank for t in stuck] == ([] if eager else [0, 1])
+
+
+def test_a_collective_one_rank_never_issues_is_left_over() -> None:
+    schedule = lower(add_vocab_passes(generate("1f1b", 3, 3), "vocab-2"))
+    last = Op(OpKind.BCAST_DEMB, 0, 2)
+    schedule.ranks[1] = [op for op in schedule.ranks[1] if op != last]
+    hang = check_nccl(schedule, strict=False, warmed=True)
+    assert hang is not None and hang.op == last and hang.channel == "vocab-emb" and hang.peers == (1,)
+    assert "the matching collective is not posted yet" in hang.reason
+
+
+# ---- vocabulary parallelism -------------------------------------------------------------------
+
+
+def _vocab_hang_is_at_creation(schedule: Schedule) -> None:
+    lowered = lower(schedule)
+    pp = schedule.pp
+    for strict in (False, True):
+        hang = check_nccl(lowered, strict=strict, warmed=False)
+        assert hang is not None and hang.rank == 0 and hang.position == 0
+        assert "lazy creation" in hang.reason
+        if schedule.loss_rank == 0:  # V shapes: rank 0 roots both the ids and the output
+            assert (hang.op.kind, hang.channel) == (OpKind.BCAST_IDS, "vocab-emb")
+            assert hang.peers == tuple(range(1, pp))
+            assert "is creating communicator vocab-x at BCAST_X" in hang.reason
+        else:
+            assert (hang.op.kind, hang.channel, hang.peers) == (OpKind.BCAST_X, "vocab-x", (pp - 1,))
+            assert "which is creating communicator vocab-emb at BCAST_IDS0:0 (position 0)" in hang.reason
+    assert check_nccl(lowered, strict=False, warmed=True) is None
+
+
+@pytest.mark.parametrize("variant", ["vocab-1", "vocab-2"])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_vocab_schedule_hangs_at_its_first_collective(name: str, variant: str) -> None:
+    pp = 3
+    slices = SCHEDULES[name].min_slices(pp, SCHEDULES[name].default_vpp)
+    _vocab_hang_is_at_creation(add_vocab_passes(smallest(name, pp, slices=slices), variant))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_every_vocab_schedule_hangs_at_its_first_collective_up_to_p8(pp: int) -> None:
+    for name, spec in SCHEDULES.items():
+        slices = max(2, spec.min_slices(pp, spec.default_vpp))
+        for variant in ("vocab-1", "vocab-2"):
+            _vocab_hang_is_at_creation(add_vocab_passes(smallest(name, pp, slices=slices), variant))
+
+
+def test_vocab_2_worker_serialises_later_traffic_behind_the_all_gather() -> None:
+    # vocab-2's REDUCE_S worker waits for the statistics' all-gather on the default stream, at
+    # issue: every later send and receive of the rank runs after it, even with warmed-up
+    # communicators. Here rank 0 then needs messages of ranks that issue it only later.
+    schedule = lower(add_vocab_passes(generate("interleaved-1f1b-groups-of-p", 7, 15, vpp=2), "vocab-2"))
+    hang = check_nccl(schedule, strict=False, warmed=True)
+    assert where(hang)[:4] == (0, 95, "RECV_B7:0<1", "p2p-B-down pair 0-1")
+    assert "RECV_B7:0<1 runs after REDUCE_S13:2 (vocab-stats): a stream dependency" in hang.reason
+
+
+# ---- generators the brief names -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["slimpipe-interleaved", "seq1f1b-interleaved"])
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_interleaved_slices_hang_at_2p_slices(name: str, pp: int) -> None:
+    bad = lower(generate(name, pp, pp, vpp=2, slices=2 * pp))
+    hang = check_nccl(bad, strict=False, warmed=False)
+    assert hang is not None and hang.rank == 0 and hang.op.kind == OpKind.SEND_B and hang.op.peer == pp - 1
+    assert (hang.channel, hang.peers) == (f"p2p-B-up pair 0-{pp - 1}", (pp - 1,))
+    assert f"which waits at RECV_F{pp - 1}:" in hang.reason and "lazy creation" in hang.reason
+    assert check_nccl(bad, strict=False, warmed=True) is None
+    assert check_nccl(lower(generate(name, pp, pp, vpp=2, slices=pp)), strict=False, warmed=False) is None
+
+
+@pytest.mark.parametrize(("pp", "vpp", "microbatches"), [(3, 2, 4), (4, 3, 5), (4, 3, 8)])
+def test_uniform_interleaved_fast_opens_pair_0_to_last_late(pp: int, vpp: int, microbatches: int) -> None:
+    schedule = lower(generate("uniform-interleaved-fast", pp, microbatches, vpp=vpp))
+    hang = check_nccl(schedule, strict=False, warmed=False)
+    assert hang is not None and hang.rank == 0 and hang.op.kind == OpKind.SEND_B
+    assert (hang.channel, hang.peers) == (f"p2p-B-up pair 0-{pp - 1}", (pp - 1,))
+    assert check_nccl(schedule, strict=False, warmed=True) is None
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "v-half", "dualpipev", "seq1f1b"])
+def test_good_schedules_with_full_offload_complete(name: str, pp: int) -> None:
+    plain = lower(generate(name, pp, 2 * pp, slices=2 if name == "seq1f1b" else 1))
+    copied = insert_offload(plain, lookahead=0)
+    assert copied.offloads
+    for schedule in (plain, copied):
+        assert check_nccl(schedule, strict=False, warmed=False) is None
+        assert check_nccl(schedule, strict=False, warmed=True) is None
+        # unbatched sends and receives on four groups: in-order completion hangs every one
+        hang = check_nccl(schedule, strict=True, warmed=True)
+        assert hang is not None and hang.waits
+
+
+# ---- SlimPipe's attention redistribution --------------------------------------------------------
+
+
+def test_attention_service_keeps_a_receive_posted() -> None:
+    schedule = generate("slimpipe", 2, 2, slices=4)
+    plan = delegation_plan(schedule, [1024] * 4, 0.5)
+    assert plan
+    lowered = lower(schedule)
+    assert check_nccl(lowered, strict=False, warmed=False, delegations=plan) is None
+    hang = check_nccl(lowered, strict=True, warmed=True, delegations=plan)
+    assert hang is not None and hang.rank == 0
+    assert "queued behind attention header from rank 1 (attention 1->0 pair 0-1)" in hang.reason
+    # the partner (an int) works as well as the plan's Delegation
+    partners = {key: delegation.partner for key, delegation in plan.items()}
+    assert check_nccl(lowered, strict=True, warmed=True, delegations=partners) == hang
+
+
+# ---- a sweep over the generators ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_sweep_what_holds_for_every_generator(pp: int) -> None:
+    """m = p (or the least allowed), k = 1 and 2 (or the least allowed): warmed up, with
+    communicators independent, every schedule completes; lazily, the neighbour-only placements
+    do; in order and unbatched, none does; batched, 1F1B-shaped ones do."""
+    checked, expected = 0, 0
+    for name, spec in SCHEDULES.items():
+        least = spec.min_slices(pp, spec.default_vpp)
+        counts = sorted({max(1, least), max(2, least)})
+        expected += len(counts)
+        for slices in counts:
+            schedule = lower(smallest(name, pp, slices=slices))
+            assert check_nccl(schedule, strict=False, warmed=True) is None, name
+            lazy = check_nccl(schedule, strict=False, warmed=False)
+            if name in LAZY_SAFE:
+                assert lazy is None, (name, lazy)
+            elif lazy is not None:
+                assert lazy.op.kind == OpKind.SEND_B and "lazy creation" in lazy.reason
+            assert check_nccl(schedule, strict=True, warmed=True) is not None, name
+            if name in ("1f1b", "zb-h1", "seq1f1b", "slimpipe"):
+                assert check_nccl(schedule, strict=True, warmed=True, batch=True) is None, name
+            checked += 1
+    assert checked == expected >= len(SCHEDULES)
+
+
+# ---- simulate ------------------------------------------------------------------------------------
+
+
+def test_simulate_reports_nccl(capsys) -> None:
+    args = ["simulate", "--schedule", "1f1b", "--pp", "3", "--microbatches", "4"]
+    assert main([*args, "--pp-vocab-parallel", "vocab-2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["nccl"]["relaxed"] is None
+    lazy = data["nccl"]["lazy_creation"]
+    assert lazy.startswith("rank 0 waits at BCAST_X2:0 (position 0) on channel vocab-x for rank 2")
+    assert data["nccl"]["strict"] is not None
+    assert data["without_vocab_parallel"]["nccl"]["lazy_creation"] is None
+    assert main(args) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("NCCL: in-order hangs, relaxed completes, lazy creation completes: rank 0 waits")
+    summary = nccl_summary(generate("1f1b", 1, 2))
+    assert summary == {"strict": None, "relaxed": None, "lazy_creation": None}

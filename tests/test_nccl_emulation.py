@@ -1,0 +1,146 @@
+"""NCCL's communicator creation rule imposed on gloo (``runtime/creation.py``, ``--pp-emulate-nccl``).
+
+On 2 gloo processes, two schedules whose first uses of their communicators come in different
+orders on different ranks (``schedule/nccl_check.py`` finds both: V-Half with vocab-2, whose rank 0
+starts on BCAST_X while rank 1 starts on BCAST_IDS; SlimPipe interleaved with k = 2p slices, whose
+rank 0 opens the backward pair to rank 1 while rank 1 waits for a forward): created lazily under
+the emulation each hangs at its first step until the deadline names the rank, the op and the
+communicator, while plain gloo runs it; with the runtime's warm-up (the default) the emulated run
+completes with the losses and gradients of the unpipelined model, as plain gloo does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from dist_utils import check_ok, run_ranks
+from exactness import check, training_tolerance
+from runtime_case import MICRO_BATCH, forward_step, loss_values, make_batches, rel_error, tiny_model
+
+pytestmark = pytest.mark.slow
+
+MICROBATCHES = 3
+SEQ = 32  # 4 slices of 8 tokens
+# (schedule, slices, vocabulary variant)
+SCHEDULES = {
+    "v-half-vocab-2": ("v-half", 1, "vocab-2"),
+    "slimpipe-interleaved-k4": ("slimpipe-interleaved", 4, "none"),
+}
+# (emulate NCCL's creation rule, warm every communicator up first): the bad mode last, since a
+# hung case leaves its (then unused) groups behind
+MODES = {"gloo-lazy": (False, False), "emulated-warm": (True, True), "emulated-lazy": (True, False)}
+DEADLINE = 5.0
+
+
+def _model():
+    return dataclasses.replace(tiny_model(num_layers=4), seq_length=SEQ)
+
+
+def emulation_worker(rank: int, world: int) -> dict:
+    from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
+    from megatron_pp_ext.runtime import PipeComm, PipelineRuntime
+    from megatron_pp_ext.runtime.reference import reference_step
+    from megatron_pp_ext.runtime.vocab_ops import setup_vocab_parallel
+    from megatron_pp_ext.runtime.vocab_parallel import VocabGroups
+    from megatron_pp_ext.schedule.generators import generate
+    from megatron_pp_ext.schedule.vocab import add_vocab_passes
+
+    init_parallel_state(world)
+    model_cfg = _model()
+    torch.manual_seed(1234)
+    reference = build_reference(model_cfg)
+    batches = make_batches(model_cfg, MICROBATCHES, seed=3)
+    ref_losses = loss_values(reference_step(reference, forward_step, iter(batches), MICROBATCHES))
+    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+    report: dict[str, dict] = {}
+    # every case's groups first (new_group waits for all ranks, a hung case does not)
+    cases = [
+        (mode, name, PipeComm(timeout_s=DEADLINE, emulate_nccl=MODES[mode][0]), VocabGroups.create())
+        for mode in MODES
+        for name in SCHEDULES
+    ]
+    for mode, name, comm, groups in cases:
+        warm_up = MODES[mode][1]
+        schedule_name, slices, variant = SCHEDULES[name]
+        entry: dict = {}
+        report[f"{name}/{mode}"] = entry
+        try:
+            schedule = generate(schedule_name, world, MICROBATCHES, slices=slices)
+            if variant != "none":
+                schedule = add_vocab_passes(schedule, variant)
+            chunks, names_of = build_chunks_from(
+                reference, model_cfg, schedule.placement, rank, sliced=slices > 1
+            )
+            setup = None
+            if variant != "none":
+                setup = setup_vocab_parallel(
+                    chunks,
+                    schedule.placement,
+                    rank,
+                    model_cfg.vocab_size,
+                    model_cfg.hidden_size,
+                    variant,
+                    dtype=model_cfg.torch_dtype,
+                    device="cpu",
+                    groups=groups,
+                )
+                setup.vp.load_tp_shards(
+                    embedding=reference.embedding.word_embeddings.weight.detach(),
+                    output=reference.output_layer.weight.detach(),
+                )
+            shape = (SEQ, MICRO_BATCH, model_cfg.hidden_size)
+            runtime = PipelineRuntime(
+                chunks, comm, shape, model_cfg.torch_dtype, vocab=setup, warm_up=warm_up
+            )
+            result = runtime.step(schedule, forward_step, [iter(batches) for _ in chunks])
+            layers = [p for c in chunks for p in c.parameters() if id(p) in names_of]
+            entry["grad_error"] = max(rel_error(p.grad, ref_grads[names_of[id(p)]]) for p in layers)
+            if result.is_loss_rank:
+                losses = loss_values(result.losses)
+                entry["loss_error"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            entry["warmed"] = len(comm.creation.created)
+            entry["warm_up_seconds"] = comm.creation.warm_up_seconds
+        except Exception as error:
+            entry["error"] = f"{type(error).__name__}: {error}"
+        finally:
+            comm.abandon()
+            comm.close()
+    return report
+
+
+@functools.cache
+def _launch() -> tuple:
+    return tuple(check_ok(run_ranks(emulation_worker, 2, timeout=300)))
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("mode", ["gloo-lazy", "emulated-warm"])
+def test_runs_exactly_on_plain_gloo_and_warmed_under_emulation(name: str, mode: str) -> None:
+    reports = [r[f"{name}/{mode}"] for r in _launch()]
+    errors = [f"rank {rank}: {r['error']}" for rank, r in enumerate(reports) if "error" in r]
+    assert not errors, "\n".join(errors)
+    limit = training_tolerance(_model(), MICROBATCHES, 1)
+    for rank, r in enumerate(reports):
+        check(r["grad_error"], limit, f"rank {rank}: gradient")
+    (loss_error,) = [r["loss_error"] for r in reports if "loss_error" in r]
+    check(loss_error, limit, "loss")
+    if mode == "emulated-warm":
+        assert all(r["warmed"] >= 2 for r in reports), reports  # pairs (and vocabulary channels)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_lazy_creation_hangs_under_emulation_until_the_deadline_names_it(name: str) -> None:
+    reports = [r[f"{name}/emulated-lazy"] for r in _launch()]
+    for rank, r in enumerate(reports):
+        assert "error" in r, f"rank {rank} completed a step that NCCL would hang: {r}"
+        message = r["error"]
+        assert message.startswith("CreationError: rank "), message
+        assert "waits to create communicator" in message and f"within {DEADLINE:.1f}s" in message, message
+    first = reports[0]["error"]
+    if name.startswith("v-half"):  # rank 0 (first stage and loss rank) starts on BCAST_IDS, rank 1 on BCAST_X
+        assert "BCAST_IDS" in first and "vocab-emb" in first, first
+    else:
+        assert "p2p-" in first, first
