@@ -48,8 +48,14 @@ def init_distributed(rank: int, world_size: int, local_rank: int, timeout_s: flo
         # Processes share the cores: one thread each unless there are cores to spare.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))))
+    # NCCL: binding the device creates each group's communicator eagerly (at new_group), as
+    # Megatron-LM's initialisation does; the pairs are warmed before the first step (creation.py)
     dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
     )
     return device
 

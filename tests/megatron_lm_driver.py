@@ -234,6 +234,14 @@ def main() -> None:
     from megatron_pp_ext.megatron import cpu_shim
 
     cpu_shim.install()
+    # Megatron-LM's args turn on its torch.compile'd fusions (bias-dropout-add, bias-SwiGLU):
+    # inductor C++ kernels vectorized for the ISA ATEN_CPU_CAPABILITY selects. Its FX graph cache
+    # key leaves that ISA out, so a graph cached under AVX-512 (16-float vectors) is reused under
+    # avx2 and built with 8-float vectors: half of each output is never written (NaN loss). Key
+    # the compile caches on the ISA.
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    torch.compiler.config.cache_key_tag += f"|vec_isa={pick_vec_isa()}"
     initialize(argv)
     sys.argv = ["pretrain_gpt.py", *argv]
     import megatron.legacy.fused_kernels as fused_kernels

@@ -676,6 +676,7 @@ class TrainJob:
         self.peak_activation = 0
         self.offloaded: int | None = None
         self.attention: tuple[int, int, int] | None = None  # own, served, handed away: last step
+        self.communicators: tuple[int, float, bool] | None = None  # warmed, seconds, emulated
 
     def say(self, message: str) -> None:
         if self.shows:
@@ -897,6 +898,8 @@ class TrainJob:
         self.offloaded = result.offload.offloaded_bytes if result.offload is not None else None
         if result.attention is not None:
             self.attention = result.attention.totals()
+        creation = self.hook.last_creation
+        self.communicators = (len(creation.created), creation.warm_up_seconds, creation.emulate)
 
     def report(self) -> None:
         if self.step_times:
@@ -910,6 +913,7 @@ class TrainJob:
                 self.offloaded,
                 self.device,
                 self.attention,
+                self.communicators,
             )
 
     def close(self) -> None:
@@ -1023,6 +1027,7 @@ def _report(
     offloaded: int | None,
     device: Any,
     attention: tuple[int, int, int] | None = None,
+    communicators: tuple[int, float, bool] | None = None,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -1035,6 +1040,7 @@ def _report(
         "peak_activation_mib": peak_activation / 2**20,
         "offloaded_mib": None if offloaded is None else offloaded / 2**20,
         "attention": attention,
+        "communicators": communicators,
         "max_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20
         if device.type == "cuda"
         else None,
@@ -1063,6 +1069,10 @@ def _report(
                 own, served, away = (n / 1e6 for n in item["attention"])
                 moved += f"  attention Mpairs computed {own + served:.1f} (served {served:.1f})"
                 moved += f", handed away {away:.1f}"
+            if item["communicators"] is not None:
+                count, seconds, emulated = item["communicators"]
+                rule = ", NCCL's creation rule emulated" if emulated else ""
+                moved += f"  communicators {count} (warm-up {seconds * 1e3:.0f} ms{rule})"
             print(
                 f"  rank {item['rank']}: step {item['step_time']:.3f} s  bubble {bubble}  "
                 f"peak activation {item['peak_activation_mib']:.2f} MiB{moved}{gpu}"

@@ -332,6 +332,7 @@ class Installed:
         losses = forward_backward(runtime, schedule, gate=gate, **kwargs)
         self.last_result = runtime.last_result
         self.last_wait_seconds = runtime.comm.wait_seconds - waited
+        self.last_creation = runtime.comm.creation  # the communicators warmed up, and in how long
         if self.losses_on_last_rank and schedule.loss_rank != schedule.pp - 1:
             losses = self._move_losses(runtime, schedule, losses)
         return losses

@@ -135,8 +135,9 @@ def check_nccl(
 
 def nccl_summary(schedule: Schedule) -> dict[str, str | None]:
     """The three checks ``simulate`` reports (None: completes; else the hang's message):
-    ``strict`` and ``relaxed`` with every communicator warmed up (rules 2-3, rule 2), and
-    ``lazy_creation`` as the runtime creates them today (rules 1-2)."""
+    ``strict`` and ``relaxed`` with every communicator warmed up (rules 2-3, rule 2) as the
+    runtime does (``runtime/creation.py``), and ``lazy_creation``, each communicator created at
+    its first use (rules 1-2), which is what a runtime without the warm-up would meet."""
     found = {
         "strict": check_nccl(schedule, strict=True, warmed=True),
         "relaxed": check_nccl(schedule, strict=False, warmed=True),
