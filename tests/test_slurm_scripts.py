@@ -98,7 +98,7 @@ for case in cases:
                 "pipeline_model_parallel_size", "context_parallel_size", "global_batch_size",
                 "micro_batch_size", "num_layers", "max_position_embeddings", "position_embedding_type",
                 "untie_embeddings_and_output_weights", "add_bias_linear", "swiglu", "normalization",
-                "mock_data", "bf16")
+                "mock_data", "bf16", "pp_p2p_timeout", "distributed_timeout_minutes")
         results.append({"ok": True, **{k: getattr(args, k, None) for k in keys}})
     except BaseException as error:  # argparse exits, Megatron asserts
         results.append({"ok": False, "error": repr(error), "output": out.getvalue()[-3000:]})
@@ -216,6 +216,8 @@ def test_every_sbatch_dry_run_passes_megatrons_parser(tmp_path: Path) -> None:
 
     checked = 0
     for name, got in by_name.items():
+        # our deadline is Megatron's: a hung peer ends every wait at --distributed-timeout-minutes
+        assert got["pp_p2p_timeout"] == 60 * got["distributed_timeout_minutes"], name
         schedule = layout_schedule(got)
         if schedule is not None:
             assert check_nccl(schedule, strict=False, warmed=True) is None, name

@@ -616,6 +616,7 @@ class TrainJob:
         self.vocab = None
         if settings.pipeline.vocab_parallel != "none":
             from ..runtime.vocab_ops import setup_vocab_parallel
+            from ..runtime.vocab_parallel import VocabGroups
 
             # Before DDP: the shard joins chunk 0's parameters (DDP, optimizer, clipping see it).
             self.vocab = setup_vocab_parallel(
@@ -628,6 +629,7 @@ class TrainJob:
                 dtype=self.model_config.torch_dtype,
                 device=next(chunks[0].parameters()).device,
                 sequence_parallel=settings.sequence_parallel,
+                groups=VocabGroups.create(timeout_s=settings.pipeline.p2p_timeout),
             )
             # The reference holds this TP rank's Megatron shard of the tables (all of them at TP=1).
             self.vocab.vp.load_tp_shards(

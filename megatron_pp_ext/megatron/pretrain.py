@@ -299,6 +299,7 @@ def _place_vocabulary(chunk: Any, chunk_index: int, layout: Placement, args: Any
     from megatron.core import parallel_state
 
     from ..runtime.vocab_ops import setup_vocab_parallel
+    from ..runtime.vocab_parallel import VocabGroups
 
     chunks = _state.setdefault("vocab_chunks", [])
     if chunk_index == 0:
@@ -326,6 +327,7 @@ def _place_vocabulary(chunk: Any, chunk_index: int, layout: Placement, args: Any
         sequence_parallel=bool(args.sequence_parallel),
         dtype=weight.dtype,
         device=weight.device,
+        groups=VocabGroups.create(timeout_s=getattr(args, "pp_p2p_timeout", None)),
     )
     group = parallel_state.get_pipeline_model_parallel_group()
     rows = args.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()

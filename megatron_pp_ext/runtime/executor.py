@@ -634,12 +634,27 @@ class _StepRun:
         elif kind == OpKind.RELOAD:
             self.rt.offload.reload(op.unit)
         elif op.is_vocab and self.vocab is not None:
-            creation = self.rt.comm.creation
-            for name, group in self.vocab.vp.groups.of_op(op.kind, self.vocab.vp.variant):
-                creation.use(creation.group(f"vocab-{name}", group), str(op))
-            self.vocab.run(op)
+            self._vocab_op(op)
         else:
             raise PipelineError(f"rank {self.rt.rank}: unknown op {op}")
+
+    def _vocab_op(self, op: Op) -> None:
+        """A vocabulary op; a failure (a collective past its deadline) names its channels."""
+        assert self.vocab is not None
+        creation = self.rt.comm.creation
+        groups, variant = self.vocab.vp.groups, self.vocab.vp.variant
+        for name, group in groups.of_op(op.kind, variant):
+            creation.use(creation.group(f"vocab-{name}", group), str(op))
+        try:
+            self.vocab.run(op)
+        except Exception as error:
+            channels = [
+                creation.group(f"vocab-{name}", group) for name, group in groups.of_op(op.kind, variant, True)
+            ]
+            where = ", ".join(f"{c.name} (global ranks {list(c.members)})" for c in channels)
+            raise PipelineError(
+                f"rank {self.rt.rank}: {op} failed on channel {where or 'none'}: {error}"
+            ) from error
 
     def _message_shape(self, op: Op) -> tuple[int, ...]:
         """The shape a RECV gets: the (slice of the) sequence, this rank's share of it."""

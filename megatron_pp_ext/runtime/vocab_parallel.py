@@ -50,6 +50,7 @@ state (after the final norm), with its labels kept for BCAST_X.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -146,8 +147,9 @@ class VocabGroups:
         names = ("x", "out", "emb", "stats", "tp", "tp_out", "tp_ids")
         return [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
 
-    def of_op(self, kind: OpKind, variant: str) -> list[tuple[str, Any]]:
-        """(channel name, group) of the collectives a vocabulary op issues on the pipeline."""
+    def of_op(self, kind: OpKind, variant: str, waits: bool = False) -> list[tuple[str, Any]]:
+        """(channel name, group) of the collectives a vocabulary op issues on the pipeline, or
+        with ``waits`` also those whose results it waits for (S for BCAST_X, T for REDUCE_S)."""
         names = {
             OpKind.BCAST_X: ("x",),
             OpKind.REDUCE_S: ("stats", "out") if variant == "vocab-2" else ("stats",),
@@ -155,14 +157,18 @@ class VocabGroups:
             OpKind.BCAST_IDS: ("emb",),
             OpKind.REDUCE_EMB: ("emb",),
             OpKind.BCAST_DEMB: ("emb",),
-        }.get(kind, ())
-        return [(name, getattr(self, name)) for name in names]
+        }
+        if waits:
+            names = {**names, OpKind.S: ("x",), OpKind.T: names[OpKind.REDUCE_S]}
+        return [(name, getattr(self, name)) for name in names.get(kind, ())]
 
     @classmethod
-    def create(cls) -> VocabGroups:
+    def create(cls, timeout_s: float | None = None) -> VocabGroups:
         """New groups for the channels, shaped like Megatron's pipeline, tensor and model-parallel
         (``tp-pp``) groups (one pipeline over the whole world without Megatron's parallel state).
-        Collective: every rank of the world calls it, in the same order."""
+        Collective: every rank of the world calls it, in the same order. ``timeout_s``: the
+        deadline of every collective on them (default: the process group's, 30 minutes), so a
+        hung peer ends a vocabulary op's wait as it ends a receive."""
         from megatron.core import parallel_state
 
         world = dist.group.WORLD
@@ -182,13 +188,13 @@ class VocabGroups:
         pp_sets, mp_sets = _all_sets(pp), _all_sets(mp)
         tp_sets = _all_sets(tp) if tp_size > 1 else None
         return cls(
-            x=_new_groups(pp_sets),
-            out=_new_groups(pp_sets),
-            emb=_new_groups(pp_sets),
-            stats=_new_groups(mp_sets),
+            x=_new_groups(pp_sets, timeout_s),
+            out=_new_groups(pp_sets, timeout_s),
+            emb=_new_groups(pp_sets, timeout_s),
+            stats=_new_groups(mp_sets, timeout_s),
             tp=tp if tp_size > 1 else None,
-            tp_out=_new_groups(tp_sets) if tp_sets else None,
-            tp_ids=_new_groups(tp_sets) if tp_sets else None,
+            tp_out=_new_groups(tp_sets, timeout_s) if tp_sets else None,
+            tp_ids=_new_groups(tp_sets, timeout_s) if tp_sets else None,
         )
 
     @property
@@ -221,11 +227,12 @@ def _all_sets(group: Any) -> list[list[int]]:
     return sorted({tuple(ranks) for ranks in found})  # type: ignore[misc]
 
 
-def _new_groups(sets: list[list[int]]) -> Any:
+def _new_groups(sets: list[list[int]], timeout_s: float | None = None) -> Any:
     """A new group for each rank set (every rank creates all of them); this rank's one."""
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     mine = None
     for ranks in sets:
-        group = dist.new_group(list(ranks))
+        group = dist.new_group(list(ranks), timeout=timeout)
         if dist.get_rank() in ranks:
             mine = group
     return mine
@@ -662,7 +669,15 @@ class VocabParallel(torch.nn.Module):
             pending: Pending[Any] = Pending(None, combine)
         else:
             if self._worker is None:
-                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocab-reduce-s")
+                # a thread that issues NCCL work must be on the rank's GPU (torch's current device
+                # is per thread)
+                device = self.output_weight.device
+                self._worker = ThreadPoolExecutor(
+                    max_workers=1,
+                    thread_name_prefix="vocab-reduce-s",
+                    initializer=torch.cuda.set_device if device.type == "cuda" else None,
+                    initargs=(device,) if device.type == "cuda" else (),
+                )
             future = self._worker.submit(self._reduce_input_grad, state, combine)
             pending = Pending(future, future.result)
         state._pending = pending

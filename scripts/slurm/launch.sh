@@ -199,6 +199,8 @@ ARGS+=(
     --eval-interval "${EVAL_INTERVAL:-1000}" --eval-iters "${EVAL_ITERS:-10}"
     --save "$CKPT_DIR" --load "$LOAD_DIR" --save-interval "${SAVE_INTERVAL:-1000}" --ckpt-format torch_dist
     --distributed-timeout-minutes "${DISTRIBUTED_TIMEOUT_MINUTES:-60}"
+    # the same deadline for our pipeline's waits (receives, vocabulary collectives, warm-up)
+    --pp-p2p-timeout "$(( ${DISTRIBUTED_TIMEOUT_MINUTES:-60} * 60 ))"
 )
 ARGS+=("${EXTRA_ARGS[@]}")
 TRAIN=(python "$MEGATRON_LM/pretrain_gpt.py" "${ARGS[@]}")
