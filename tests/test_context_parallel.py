@@ -397,6 +397,7 @@ def cp_worker(rank: int, world: int, layout: Layout, cases: list[Case]) -> dict:
 
             entry["error"] = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
     comm.close()
+    report["lazy_creations"] = comm.creation.lazy  # first uses the warm-up missed
     return report
 
 
@@ -494,3 +495,11 @@ def test_hook_refuses_slices_that_context_parallelism_cannot_cut() -> None:
         hook.install(args)
     finally:
         hook.uninstall()
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_the_warm_up_creates_every_communicator_the_steps_use(launch) -> None:
+    """Under NCCL a communicator first used inside a step would be created there, blocking until
+    its members arrive (runtime/creation.py): the runtime's warm-up leaves none for the step."""
+    for rank, report in enumerate(_launch(launch)):
+        assert report["lazy_creations"] == [], f"rank {rank}: {report['lazy_creations'][:3]}"

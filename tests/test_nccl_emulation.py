@@ -180,3 +180,37 @@ def test_train_under_emulation_gives_the_same_losses(flags: str) -> None:
     emulated = _train(*flags.split(), "--pp-emulate-nccl")
     assert [(r["loss"], r["grad_norm"]) for r in emulated] == [(r["loss"], r["grad_norm"]) for r in plain]
     assert "NCCL's creation rule emulated" in emulated[0]["out"] and "emulated" not in plain[0]["out"]
+
+
+@pytest.mark.heavy
+def test_the_exactness_matrix_passes_under_emulation() -> None:
+    """The runtime's exactness matrix (schedules x slices x offload x vocabulary x TP/SP/CP/DP x
+    redistribution, p = 2..4) with every PipeComm imposing NCCL's creation rule
+    (MEGATRON_PP_EXT_EMULATE_NCCL=1): the same checks pass."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_pp_ext.runtime.p2p import EMULATE_NCCL_VARIABLE
+
+    files = [
+        "tests/test_runtime_exact.py",
+        "tests/test_runtime_sliced.py",
+        "tests/test_parallel_compose.py",
+        "tests/test_context_parallel.py",
+        "tests/test_vocab_parallel_exact.py",
+        "tests/test_offload_runtime.py",
+        "tests/test_redistribution_runtime.py",
+        "tests/test_megatron_hook.py",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not heavy", *files],
+        env={**os.environ, EMULATE_NCCL_VARIABLE: "1"},
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    summary = done.stdout.strip().splitlines()[-1]
+    assert done.returncode == 0 and " passed" in summary and "failed" not in summary, done.stdout[-4000:]

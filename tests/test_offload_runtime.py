@@ -246,6 +246,7 @@ def offload_worker(rank: int, world: int) -> dict:
     if rank == 0:
         report["probes"] = {stages: stage_probes(_model(1), stages) for stages in (PP, 2 * PP)}
     report["hook"] = hook_step(rank, world, *references[1])
+    report["lazy_creations"] = comm.creation.lazy  # first uses the warm-up missed
     return report
 
 
@@ -419,3 +420,12 @@ def test_offload_lowers_the_measured_peak() -> None:
     assert most["uniform-interleaved/selective"] < 0.35 * most["interleaved-1f1b/none"]
     for name in ("v-half", "zb-h1"):
         assert most[f"{name}/full"] < 0.8 * most[f"{name}/none"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [PP])
+def test_the_warm_up_creates_every_communicator_the_steps_use(world) -> None:
+    """Under NCCL a communicator first used inside a step would be created there, blocking until
+    its members arrive (runtime/creation.py): the runtime's warm-up leaves none for the step."""
+    for rank, report in enumerate(_launch()):
+        assert report["lazy_creations"] == [], f"rank {rank}: {report['lazy_creations'][:3]}"

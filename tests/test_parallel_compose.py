@@ -191,6 +191,7 @@ def compose_worker(rank: int, world: int, tp: int, sequence_parallel: bool, case
 
             entry["error"] = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
     comm.close()
+    report["lazy_creations"] = comm.creation.lazy  # first uses the warm-up missed
     return report
 
 
@@ -242,3 +243,12 @@ def test_pp2_dp2(case: Case) -> None:
     if case.offload != "none":
         # the first stage's units live longest: there the copies always pay off
         assert all(e["offloaded_bytes"] > 0 for e in entries if e["pipeline_rank"] == 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_the_warm_up_creates_every_communicator_the_steps_use(launch) -> None:
+    """Under NCCL a communicator first used inside a step would be created there, blocking until
+    its members arrive (runtime/creation.py): the runtime's warm-up leaves none for the step."""
+    for rank, report in enumerate(_launch(launch)):
+        assert report["lazy_creations"] == [], f"rank {rank}: {report['lazy_creations'][:3]}"

@@ -145,6 +145,7 @@ def runtime_worker(rank: int, world: int) -> dict:
         }
     if world == 2:
         report["hook"] = hook_step(rank, world, reference, ref_grads, ref_losses, batches, model_cfg)
+    report["lazy_creations"] = comm.creation.lazy  # first uses the warm-up missed
     return report
 
 
@@ -377,3 +378,11 @@ def test_train_refuses_a_bad_cap_before_starting() -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert "--pp-attn-redistribution" in last and "between 0 and 1" in last, last
     assert "train:" not in done.stdout
+
+
+@pytest.mark.parametrize("world", [2])
+def test_the_warm_up_creates_every_communicator_the_steps_use(world) -> None:
+    """Under NCCL a communicator first used inside a step would be created there, blocking until
+    its members arrive (runtime/creation.py): the runtime's warm-up leaves none for the step."""
+    for rank, report in enumerate(_launch(world)):
+        assert report["lazy_creations"] == [], f"rank {rank}: {report['lazy_creations'][:3]}"

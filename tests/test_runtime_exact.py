@@ -176,6 +176,7 @@ def exactness_worker(rank: int, world: int, microbatches: int, names: list[str],
         except Exception as error:
             entry["error"] = f"run: {type(error).__name__}: {error}"
         report[name] = entry
+    report["lazy_creations"] = comm.creation.lazy  # first uses the warm-up missed
     return report
 
 
@@ -325,3 +326,11 @@ def test_forward_backward_api_forward_only_legacy_loss_main_grad() -> None:
                 assert r["eval_count"] == 0 and r["train_count"] == 0
             assert r["grad_left_in_dot_grad"] == [], (name, r)
             check(r["main_grad_error"], step, f"{name}: main_grad")
+
+
+@pytest.mark.parametrize("world", [2])
+def test_the_warm_up_creates_every_communicator_the_steps_use(world) -> None:
+    """Under NCCL a communicator first used inside a step would be created there, blocking until
+    its members arrive (runtime/creation.py): the runtime's warm-up leaves none for the step."""
+    for rank, report in enumerate(_launch(world)):
+        assert report["lazy_creations"] == [], f"rank {rank}: {report['lazy_creations'][:3]}"

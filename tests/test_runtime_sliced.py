@@ -128,6 +128,7 @@ def sliced_worker(rank: int, world: int) -> dict:
         report[key] = entry
     if world == 2:
         report["hook"] = hook_step(rank, world, reference, ref_grads, ref_losses, batches, model_cfg)
+    report["lazy_creations"] = comm.creation.lazy  # first uses the warm-up missed
     return report
 
 
@@ -243,3 +244,11 @@ def test_megatron_hook_runs_a_sliced_schedule_exactly_and_forward_only() -> None
         assert r["caches_left"] == [[]], (rank, r)  # no K/V cache outlives a step
     check([r["loss_error"] for r in reports if r["loss_error"] is not None][0], limit, "loss")
     check([r["eval_error"] for r in reports if r["eval_error"] is not None][0], limit, "evaluation loss")
+
+
+@pytest.mark.parametrize("world", [2])
+def test_the_warm_up_creates_every_communicator_the_steps_use(world) -> None:
+    """Under NCCL a communicator first used inside a step would be created there, blocking until
+    its members arrive (runtime/creation.py): the runtime's warm-up leaves none for the step."""
+    for rank, report in enumerate(_launch(world)):
+        assert report["lazy_creations"] == [], f"rank {rank}: {report['lazy_creations'][:3]}"

@@ -104,6 +104,7 @@ def vocab_worker(
                     import traceback
 
                     entry["error"] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}"
+    report["lazy_creations"] = comm.creation.lazy  # first uses the warm-up missed
     return report
 
 
@@ -349,3 +350,11 @@ def test_sliced_vocab_parallelism_needs_per_token_loss() -> None:
             forward_only=False,
             collect_non_loss_data=False,
         )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_warm_up_creates_every_communicator_the_steps_use(world) -> None:
+    """Under NCCL a communicator first used inside a step would be created there, blocking until
+    its members arrive (runtime/creation.py): the runtime's warm-up leaves none for the step."""
+    for rank, report in enumerate(_launch(world)):
+        assert report["lazy_creations"] == [], f"rank {rank}: {report['lazy_creations'][:3]}"

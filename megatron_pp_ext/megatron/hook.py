@@ -391,7 +391,9 @@ class Installed:
             ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
             config = get_model_config(models[0])
             comm = PipeComm(
-                ranks=ranks, timeout_s=self.options.p2p_timeout, emulate_nccl=self.options.emulate_nccl
+                ranks=ranks,
+                timeout_s=self.options.p2p_timeout,
+                emulate_nccl=self.options.emulate_nccl or None,  # None: MEGATRON_PP_EXT_EMULATE_NCCL
             )
             self._runtimes[key] = PipelineRuntime(
                 models,

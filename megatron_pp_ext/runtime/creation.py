@@ -58,6 +58,8 @@ class Creation:
         self.emulate = emulate
         self.created: set[Communicator] = set()
         self.warm_up_seconds = 0.0
+        # first uses outside a warm-up: (communicator, op); none while the runtime warms up
+        self.lazy: list[tuple[str, str]] = []
 
     # ---- the communicators -----------------------------------------------------------------
 
@@ -96,6 +98,7 @@ class Creation:
         """Before ``what`` (an op) uses ``communicator``: under emulation, its creation."""
         if communicator in self.created:
             return
+        self.lazy.append((communicator.name, what))
         if self.emulate:
             self._create(communicator, what)
         self.created.add(communicator)

@@ -351,9 +351,14 @@ class PipelineRuntime:
             iterators = slicing.feeders
             if not callable(full):
                 shape_of = slicing.shape_fn(full)
+        # the plan is collective the first time
+        plan = {} if slicing is None else self.redistribution.plan(schedule, slicing.lengths)
+        warmed = (id(lowered), len(self.redistribution.links()))  # before any service thread listens
+        if self.warm_up and warmed not in self._warmed:
+            self.comm.creation.warm_up(self._communicators(lowered, vocab_parallel))
+            self._warmed.add(warmed)
         redistribution = None
         if slicing is not None:
-            plan = self.redistribution.plan(schedule, slicing.lengths)  # collective the first time
             redistribution = self.redistribution.begin(
                 plan, lowered.ranks[self.rank], slicing.contexts, lowered.placement
             )
@@ -380,10 +385,6 @@ class PipelineRuntime:
             vocab=self.vocab if vocab_parallel else None,
             gate=gate,
         )
-        warmed = (id(lowered), len(self.redistribution.links()))
-        if self.warm_up and warmed not in self._warmed:
-            self.comm.creation.warm_up(self._communicators(lowered, vocab_parallel))
-            self._warmed.add(warmed)
         attention = None
         rng = _RngState() if gate is not None else None
         try:

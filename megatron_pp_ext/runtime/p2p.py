@@ -24,6 +24,7 @@ activation accounting honest.
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import threading
 import time
@@ -35,6 +36,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .creation import Creation
+
+
+EMULATE_NCCL_VARIABLE = "MEGATRON_PP_EXT_EMULATE_NCCL"
 
 
 class PeerError(RuntimeError):
@@ -89,7 +93,7 @@ class PipeComm:
     creates every pipeline's groups, keeping its own (:meth:`new_group`)."""
 
     def __init__(
-        self, ranks: Sequence[int] | None = None, timeout_s: float = 300.0, emulate_nccl: bool = False
+        self, ranks: Sequence[int] | None = None, timeout_s: float = 300.0, emulate_nccl: bool | None = None
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipeComm needs torch.distributed to be initialised")
@@ -113,6 +117,8 @@ class PipeComm:
         # measured bubble, once divided by the step time.
         self.wait_seconds = 0.0
         self._waiters: dict[tuple[str, int], _SendWaiter] = {}
+        if emulate_nccl is None:  # as --pp-emulate-nccl, for a whole test run: the variable set to 1
+            emulate_nccl = os.environ.get(EMULATE_NCCL_VARIABLE) == "1"
         self.creation = Creation(self, emulate_nccl)
 
     @property
