@@ -37,7 +37,6 @@ from torch import Tensor
 
 from .creation import Creation
 
-
 EMULATE_NCCL_VARIABLE = "MEGATRON_PP_EXT_EMULATE_NCCL"
 
 
