@@ -11,6 +11,7 @@ from typing import Any
 
 from ..schedule.generators import SCHEDULES, RequestError, generate
 from ..schedule.ir import Schedule
+from ..schedule.nccl_check import check_nccl
 
 # Both sizes fit the 2-core CPU machine; "small" makes compute, not Python overhead, dominate.
 MODEL_SIZES: dict[str, dict[str, Any]] = {
@@ -132,6 +133,10 @@ def plan_row(name: str, pp: int, microbatches: int, num_layers: int) -> Row:
         split_layers(num_layers, schedule.num_stages)
     except ValueError as error:
         row.ours_skip = f"{error} (--model-size)"
+        return row
+    hang = check_nccl(schedule, strict=False, warmed=True)  # as the runtime runs it (docs/nccl.md)
+    if hang is not None:
+        row.ours_skip = f"would hang under NCCL: {hang.message()}"
         return row
     row.ours = schedule
     pair = row.torch
