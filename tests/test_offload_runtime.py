@@ -406,7 +406,9 @@ def test_offload_flags_reach_the_hook_options() -> None:
 @pytest.mark.slow
 def test_offload_lowers_the_measured_peak() -> None:
     launch = _launch()
-    rank0 = {key: entry["peak"] for key, entry in launch[0].items() if key != "probes"}
+    rank0 = {
+        key: entry["peak"] for key, entry in launch[0].items() if key not in ("probes", "lazy_creations")
+    }
     most = {key: max(rank_report[key]["peak"] for rank_report in launch) for key in rank0}
     # 1F1B, rank 0: 4 microbatches in flight become the running F plus the one reloaded next
     assert rank0["1f1b/full"] < 0.55 * rank0["1f1b/none"]
