@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.ir import Schedule
+from .peer_error import PeerError
 
 
-class CreationError(RuntimeError):
+class CreationError(PeerError):
     """A communicator's creation did not complete within the deadline (a peer never arrived)."""
 
 
@@ -133,10 +134,11 @@ class Creation:
                 work = dist.all_reduce(token, group=communicator.group, async_op=True)
                 self.comm.wait_work(work, f"creating {communicator.name} with", others[0])
         except Exception as error:
+            peers = ", ".join(str(self.comm.ranks.index(rank)) for rank in others if rank in self.comm.ranks)
             raise CreationError(
                 f"rank {self.comm.rank}: {what} waits to create communicator {communicator.name} "
-                f"(global ranks {list(communicator.members)}) for {others} within {deadline:.1f}s: "
-                f"a peer is creating another communicator first, or is gone ({error})"
+                f"(global ranks {list(communicator.members)}) for rank {peers or others} within "
+                f"{deadline:.1f}s: a peer is creating another communicator first, or is gone ({error})"
             ) from error
 
     def _handshake(self, communicator: Communicator, peer: int, deadline: float) -> None:

@@ -42,7 +42,7 @@ from ..schedule.lowering import lower
 from ..schedule.models import megatron_shape
 from ..schedule.validate import validate
 from .context_parallel import check_cp_slices, context_parallel_group, cp_size_of
-from .creation import Communicator, CreationError
+from .creation import Communicator
 from .grad_sync import GradSync
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, OffloadStats
@@ -575,7 +575,7 @@ class _StepRun:
                 if self.sync is not None:
                     self.sync.after(position)
             except Exception as error:
-                if isinstance(error, (PipelineError, PeerError, CreationError)):
+                if isinstance(error, (PipelineError, PeerError)):  # CreationError is a PeerError
                     raise
                 raise PipelineError(
                     f"rank {self.rt.rank}: op {op} (position {position}) failed: {error}"

@@ -36,12 +36,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .creation import Creation
+from .peer_error import PeerError
 
 EMULATE_NCCL_VARIABLE = "MEGATRON_PP_EXT_EMULATE_NCCL"
-
-
-class PeerError(RuntimeError):
-    """A transfer with another pipeline rank failed or timed out."""
 
 
 @dataclass
