@@ -78,3 +78,27 @@ def rel_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 def loss_values(outputs: list[Any]) -> list[float]:
     return [float(item["lm loss"].reshape(-1)[0]) for item in outputs]
+
+
+def vocab_setup_from(reference, model_cfg, chunks, placement, rank: int, variant: str, groups, **kwargs):
+    """This rank's vocabulary-parallel setup (``setup_vocab_parallel``) on CPU, its shard loaded
+    from the reference's embedding and output tables (this TP rank's rows)."""
+    from megatron_pp_ext.runtime.vocab_ops import setup_vocab_parallel
+
+    setup = setup_vocab_parallel(
+        chunks,
+        placement,
+        rank,
+        model_cfg.vocab_size,
+        model_cfg.hidden_size,
+        variant,
+        dtype=model_cfg.torch_dtype,
+        device="cpu",
+        groups=groups,
+        **kwargs,
+    )
+    setup.vp.load_tp_shards(
+        embedding=reference.embedding.word_embeddings.weight.detach(),
+        output=reference.output_layer.weight.detach(),
+    )
+    return setup

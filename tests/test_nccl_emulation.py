@@ -18,7 +18,15 @@ import pytest
 import torch
 from dist_utils import check_ok, run_ranks
 from exactness import check, training_tolerance
-from runtime_case import MICRO_BATCH, forward_step, loss_values, make_batches, rel_error, tiny_model
+from runtime_case import (
+    MICRO_BATCH,
+    forward_step,
+    loss_values,
+    make_batches,
+    rel_error,
+    tiny_model,
+    vocab_setup_from,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +51,6 @@ def emulation_worker(rank: int, world: int) -> dict:
     from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
     from megatron_pp_ext.runtime import PipeComm, PipelineRuntime
     from megatron_pp_ext.runtime.reference import reference_step
-    from megatron_pp_ext.runtime.vocab_ops import setup_vocab_parallel
     from megatron_pp_ext.runtime.vocab_parallel import VocabGroups
     from megatron_pp_ext.schedule.generators import generate
     from megatron_pp_ext.schedule.vocab import add_vocab_passes
@@ -76,20 +83,8 @@ def emulation_worker(rank: int, world: int) -> dict:
             )
             setup = None
             if variant != "none":
-                setup = setup_vocab_parallel(
-                    chunks,
-                    schedule.placement,
-                    rank,
-                    model_cfg.vocab_size,
-                    model_cfg.hidden_size,
-                    variant,
-                    dtype=model_cfg.torch_dtype,
-                    device="cpu",
-                    groups=groups,
-                )
-                setup.vp.load_tp_shards(
-                    embedding=reference.embedding.word_embeddings.weight.detach(),
-                    output=reference.output_layer.weight.detach(),
+                setup = vocab_setup_from(
+                    reference, model_cfg, chunks, schedule.placement, rank, variant, groups
                 )
             shape = (SEQ, MICRO_BATCH, model_cfg.hidden_size)
             runtime = PipelineRuntime(
@@ -170,7 +165,9 @@ def _train(*args: str) -> list[dict]:
     "flags",
     [
         "--pp-schedule v-half --pp-vocab-parallel vocab-2",
-        "--pp-schedule slimpipe-interleaved --pp-seq-slices 4",  # k = 2p
+        pytest.param(  # k = 2p; also run by the runtime-level test above
+            "--pp-schedule slimpipe-interleaved --pp-seq-slices 4", marks=pytest.mark.heavy
+        ),
     ],
 )
 def test_train_under_emulation_gives_the_same_losses(flags: str) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from dist_utils import check_ok, run_ranks
 from exactness import check, check_worst, train_tolerance, training_tolerance
-from runtime_case import forward_step, loss_values, make_batches, rel_error, tiny_model
+from runtime_case import forward_step, loss_values, make_batches, rel_error, tiny_model, vocab_setup_from
 
 VARIANTS = ("vocab-1", "vocab-2")
 # pipeline size -> (microbatches, schedules); m is not a multiple of p
@@ -116,28 +116,21 @@ def _run_case(entry: dict, name: str, variant: str, case: dict, slices: int = 1)
     """One schedule and variant against the reference, into ``entry``."""
     from megatron_pp_ext.megatron.model import build_chunks_from
     from megatron_pp_ext.runtime.executor import PipelineRuntime
-    from megatron_pp_ext.runtime.vocab_ops import setup_vocab_parallel
 
     model_cfg, reference, batches = case["model"], case["reference"], case["batches"]
     ref_losses, ref_grads, mine, rank = case["losses"], case["grads"], case["rows"], case["pp_rank"]
     microbatches = len(batches)
     schedule = _vocab_schedule(name, case["pp"], microbatches, variant, slices)
     chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, rank, sliced=slices > 1)
-    setup = setup_vocab_parallel(
+    setup = vocab_setup_from(
+        reference,
+        model_cfg,
         chunks,
         schedule.placement,
         rank,
-        model_cfg.vocab_size,
-        model_cfg.hidden_size,
         variant,
-        dtype=model_cfg.torch_dtype,
-        device="cpu",
-        groups=case["groups"],
+        case["groups"],
         sequence_parallel=case["sequence_parallel"],
-    )
-    setup.vp.load_tp_shards(
-        embedding=reference.embedding.word_embeddings.weight.detach(),
-        output=reference.output_layer.weight.detach(),
     )
     shape = (model_cfg.seq_length, 2, model_cfg.hidden_size)
     runtime = PipelineRuntime(chunks, case["comm"], shape, model_cfg.torch_dtype, vocab=setup)
