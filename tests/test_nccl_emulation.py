@@ -211,3 +211,35 @@ def test_the_exactness_matrix_passes_under_emulation() -> None:
     )
     summary = done.stdout.strip().splitlines()[-1]
     assert done.returncode == 0 and " passed" in summary and "failed" not in summary, done.stdout[-4000:]
+
+
+def rendezvous_worker(rank: int, world: int) -> dict:
+    """Rank 0 sends one small message and waits for it to go out; rank 1 posts the receive only
+    after rank 0's deadline."""
+    import time
+
+    from megatron_pp_ext.runtime.p2p import PeerError, PipeComm
+
+    comm = PipeComm(timeout_s=1.0)
+    comm.creation.warm_up([comm.creation.pair("F", 0, 1)])
+    out: dict = {"error": None}
+    if rank == 0:
+        comm.send(torch.ones(4), 1, "F", "SEND_F0:0>1")
+        try:
+            comm.flush()
+        except PeerError as error:
+            out["error"] = str(error)
+            comm.abandon()
+    time.sleep(1.5)
+    comm.close()
+    return out
+
+
+def test_gloo_already_makes_a_send_wait_for_its_receive() -> None:
+    """NCCL's rule 2 (a send completes only once its receive is posted) holds on gloo as it is,
+    even for 16 bytes, so --pp-emulate-nccl adds nothing for it: a send whose receive never comes
+    fails at the deadline naming the op and the peer."""
+    sender, _ = check_ok(run_ranks(rendezvous_worker, 2, timeout=60))
+    message = sender["error"]
+    assert message is not None, "gloo completed a send that nobody received"
+    assert message.startswith("rank 0: SEND_F0:0>1 to rank 1 did not complete"), message
