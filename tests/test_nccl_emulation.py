@@ -243,3 +243,23 @@ def test_gloo_already_makes_a_send_wait_for_its_receive() -> None:
     message = sender["error"]
     assert message is not None, "gloo completed a send that nobody received"
     assert message.startswith("rank 0: SEND_F0:0>1 to rank 1 did not complete"), message
+
+
+def test_train_refuses_a_schedule_that_would_hang_under_nccl() -> None:
+    """One of the 4 configurations the check finds hanging even with the warm-up (vocab-2's
+    reduce worker waits on the stream later p2p needs, docs/nccl.md): refused in one line, exit
+    2, before any process starts."""
+    import subprocess
+    import sys
+
+    flags = ["--pp", "7", "--pp-schedule", "interleaved-1f1b-groups-of-p", "--microbatches", "15"]
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_pp_ext", "train", *flags, "--pp-vocab-parallel", "vocab-2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "--pp-schedule" in last and "would hang under NCCL" in last and "rank 0 waits at" in last, last
+    assert "steady-state" not in done.stdout  # nothing trained
