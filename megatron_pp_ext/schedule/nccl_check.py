@@ -434,11 +434,13 @@ class _Model:
             return self._doing(helpers[0]) if helpers else "has finished the step"
         return self._doing(main)
 
-    def _which(self, peers: tuple[int, ...]) -> str:
-        """What the peers do: "which ..." for one, "rank a ...; rank b ..." for several."""
+    def _which(self, peers: tuple[int, ...], shown: int = 3) -> str:
+        """What the peers do: "which ..." for one, "rank a ...; rank b ..." for several (the first
+        ``shown`` of them, so that the message stays one readable line)."""
         if len(peers) == 1:
             return f"which {self._rank_doing(peers[0])}"
-        return "; ".join(f"rank {peer} {self._rank_doing(peer)}" for peer in peers)
+        text = "; ".join(f"rank {peer} {self._rank_doing(peer)}" for peer in peers[:shown])
+        return text + (f"; and {len(peers) - shown} more ranks" if len(peers) > shown else "")
 
     def _hang(self, thread: Thread, waits: tuple[str, ...]) -> Hang:
         assert thread.waiting is not None
