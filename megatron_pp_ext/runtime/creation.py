@@ -58,6 +58,7 @@ class Creation:
         self.comm = comm
         self.emulate = emulate
         self.created: set[Communicator] = set()
+        self._known: dict[tuple[Any, ...], Communicator] = {}  # built once: sends and receives ask often
         self.warm_up_seconds = 0.0
         # first uses outside a warm-up: (communicator, op); none while the runtime warms up
         self.lazy: list[tuple[str, str]] = []
@@ -66,12 +67,15 @@ class Creation:
 
     def pair(self, direction: str, sender: int, receiver: int) -> Communicator:
         """The communicator of pipeline ranks ``sender`` -> ``receiver`` on the channel group."""
-        way = "up" if receiver > sender else "down"
-        ranks = self.comm.ranks
-        name = f"p2p-{direction}-{way} pair {min(sender, receiver)}-{max(sender, receiver)}"
-        members = tuple(sorted((ranks[sender], ranks[receiver])))
-        group = self.comm.channel_group(direction, sender, receiver)
-        return Communicator(1, members, name, group, ranks[sender])
+        key = ("pair", direction, sender, receiver)
+        if key not in self._known:
+            way = "up" if receiver > sender else "down"
+            ranks = self.comm.ranks
+            name = f"p2p-{direction}-{way} pair {min(sender, receiver)}-{max(sender, receiver)}"
+            members = tuple(sorted((ranks[sender], ranks[receiver])))
+            group = self.comm.channel_group(direction, sender, receiver)
+            self._known[key] = Communicator(1, members, name, group, ranks[sender])
+        return self._known[key]
 
     def link(self, source: int, partner: int, group: Any) -> Communicator:
         """The pair communicator of an attention-redistribution link (its own 2-rank group)."""
@@ -79,10 +83,13 @@ class Creation:
         members = tuple(sorted((ranks[source], ranks[partner])))
         return Communicator(1, members, f"attention link {source}-{partner}", group, ranks[source])
 
-    @staticmethod
-    def group(name: str, group: Any) -> Communicator:
-        members = tuple(sorted(dist.get_process_group_ranks(group)))
-        return Communicator(0, members, name, group)
+    def group(self, name: str, group: Any) -> Communicator:
+        """The communicator of a collective group, by the channel name it is used under."""
+        key = ("group", name, group)  # the group itself: its id could be reused once it is gone
+        if key not in self._known:
+            members = tuple(sorted(dist.get_process_group_ranks(group)))
+            self._known[key] = Communicator(0, members, name, group)
+        return self._known[key]
 
     def pairs_of(self, lowered: Schedule) -> list[Communicator]:
         """The pairs the lowered schedule's SEND/RECV ops use (the same list on every rank)."""
@@ -104,19 +111,15 @@ class Creation:
             self._create(communicator, what)
         self.created.add(communicator)
 
-    def warm_up(self, communicators: Iterable[Communicator]) -> int:
-        """Create this rank's communicators among ``communicators``, in the global order; return
-        how many were created now."""
+    def warm_up(self, communicators: Iterable[Communicator]) -> None:
+        """Create this rank's communicators among ``communicators``, in the global order."""
         me = dist.get_rank()
         start = time.monotonic()
-        count = 0
         for communicator in sorted(set(communicators)):
             if me in communicator.members and communicator not in self.created:
                 self._create(communicator, "the warm-up")
                 self.created.add(communicator)
-                count += 1
         self.warm_up_seconds += time.monotonic() - start
-        return count
 
     def _create(self, communicator: Communicator, what: str) -> None:
         """One tiny exchange over ``communicator`` that every member must join."""

@@ -5,7 +5,9 @@ receives block. Every message goes on one of four process groups, one per channe
 (forward or backward) x (towards a higher or a lower rank). On each group a pair of ranks then
 exchanges messages one way only, in the order the schedule validator checks, so NCCL (which
 matches p2p messages in order and serialises a pair's traffic on one stream) cannot cross two
-messages or deadlock a send behind a receive. Gloo (CPU) behaves the same way.
+messages. Gloo (CPU) behaves the same way. What NCCL's rules still allow to hang, and what the
+runtime does about it, is in docs/nccl.md: the schedule core checks it (``nccl_check.py``);
+in-order completion across communicators (CUDA_DEVICE_MAX_CONNECTIONS=1) is not met yet.
 
 A receive that does not complete within ``timeout_s`` — the peer died, hangs or never sends —
 raises :class:`PeerError` naming this rank, the op and the peer, instead of hanging.
