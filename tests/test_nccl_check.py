@@ -10,7 +10,7 @@ import pytest
 from megatron_pp_ext.cli import main
 from megatron_pp_ext.schedule.generators import SCHEDULES, generate
 from megatron_pp_ext.schedule.ir import Op, OpKind, Schedule, format_op
-from megatron_pp_ext.schedule.lowering import insert_offload, lower
+from megatron_pp_ext.schedule.lowering import insert_offload, insert_p2p, lower
 from megatron_pp_ext.schedule.nccl_check import Hang, check_nccl, nccl_summary
 from megatron_pp_ext.schedule.nccl_replay import CommOp, Program, Replay, Thread
 from megatron_pp_ext.schedule.redistribute import delegation_plan
@@ -58,8 +58,10 @@ def smallest(name: str, pp: int, vpp: int | None = None, slices: int = 1) -> Sch
 
 
 def test_opposite_orders_on_two_communicators_hang_in_order() -> None:
-    # rank 0 sends F0:1 then receives B0:0; rank 1 sends B1:0 then receives F1:1.
-    schedule = lower(two_rank("F0:0 F0:1 BW0:0 BW0:1", "F1:0 BW1:0 F1:1 BW1:1"))
+    # Each RECV right before its consumer: rank 0 sends F0:1 then receives B0:0; rank 1 sends
+    # B1:0 then receives F1:1.
+    two = two_rank("F0:0 F0:1 BW0:0 BW0:1", "F1:0 BW1:0 F1:1 BW1:1")
+    schedule = insert_p2p(two)
     hang = check_nccl(schedule, strict=True, warmed=True)
     assert where(hang) == (0, 4, "RECV_B0:0<1", "p2p-B-down pair 0-1", (1,))
     assert "queued behind SEND_F0:1>1 (p2p-F-up pair 0-1)" in hang.reason
@@ -69,6 +71,20 @@ def test_opposite_orders_on_two_communicators_hang_in_order() -> None:
     assert check_nccl(schedule, strict=False, warmed=True) is None
     assert check_nccl(schedule, strict=False, warmed=False) is None
     assert check_nccl(schedule, strict=True, warmed=True, batch=True) is None
+    # lowering posts rank 1's RECV_F1:1 before its SEND_B1:0: one global order, nothing hangs
+    ordered = lower(two)
+    assert [str(op) for op in ordered.ranks[1]] == [
+        "RECV_F1:0<0",
+        "F1:0",
+        "BW1:0",
+        "RECV_F1:1<0",
+        "SEND_B1:0>0",
+        "F1:1",
+        "BW1:1",
+        "SEND_B1:1>0",
+    ]
+    assert check_nccl(ordered, strict=True, warmed=True) is None
+    assert check_nccl(ordered, strict=True, warmed=False) is None
 
 
 def test_first_send_on_a_new_pair_hangs_under_lazy_creation() -> None:
@@ -79,11 +95,13 @@ def test_first_send_on_a_new_pair_hangs_under_lazy_creation() -> None:
         "F1:0 F3:0 BW3:0 F1:1 F3:1 BW3:1 BW1:0 BW1:1",
         num_stages="4",
     )
-    hang = check_nccl(lower(schedule), strict=False, warmed=False)
+    hang = check_nccl(insert_p2p(schedule), strict=False, warmed=False)
     assert where(hang) == (0, 7, "SEND_B2:0>1", "p2p-B-up pair 0-1", (1,))
     assert "which waits at RECV_F1:1<0 (position 7) on p2p-F-up pair 0-1" in hang.reason
     assert "lazy creation" in hang.reason and "warm-up" in hang.fix
-    assert check_nccl(lower(schedule), strict=False, warmed=True) is None
+    assert check_nccl(insert_p2p(schedule), strict=False, warmed=True) is None
+    # in the step's message order the first uses come in one order too
+    assert check_nccl(lower(schedule), strict=True, warmed=False) is None
 
 
 RENDEZVOUS = (
@@ -141,7 +159,9 @@ def test_a_collective_one_rank_never_issues_is_left_over() -> None:
 
 
 def _vocab_hang_is_at_creation(schedule: Schedule) -> None:
-    lowered = lower(schedule)
+    """Issued where the vocabulary pass puts them (RECVs before their consumers), the first
+    collectives hang at creation; in the step's message order (``lower``) nothing hangs."""
+    lowered = insert_p2p(schedule)
     pp = schedule.pp
     for strict in (False, True):
         hang = check_nccl(lowered, strict=strict, warmed=False)
@@ -155,6 +175,7 @@ def _vocab_hang_is_at_creation(schedule: Schedule) -> None:
             assert (hang.op.kind, hang.channel, hang.peers) == (OpKind.BCAST_X, "vocab-x", (pp - 1,))
             assert "which is creating communicator vocab-emb at BCAST_IDS0:0 (position 0)" in hang.reason
     assert check_nccl(lowered, strict=False, warmed=True) is None
+    assert check_nccl(lower(schedule), strict=True, warmed=True) is None
 
 
 @pytest.mark.parametrize("variant", ["vocab-1", "vocab-2"])
@@ -177,11 +198,14 @@ def test_every_vocab_schedule_hangs_at_its_first_collective_up_to_p8(pp: int) ->
 def test_vocab_2_worker_serialises_later_traffic_behind_the_all_gather() -> None:
     # vocab-2's REDUCE_S worker waits for the statistics' all-gather on the default stream, at
     # issue: every later send and receive of the rank runs after it, even with warmed-up
-    # communicators. Here rank 0 then needs messages of ranks that issue it only later.
-    schedule = lower(add_vocab_passes(generate("interleaved-1f1b-groups-of-p", 7, 15, vpp=2), "vocab-2"))
-    hang = check_nccl(schedule, strict=False, warmed=True)
+    # communicators. Here rank 0 then needs messages of ranks that issue it only later, in the
+    # order the vocabulary pass leaves them; the step's message order issues the all-gather
+    # after them.
+    vocab = add_vocab_passes(generate("interleaved-1f1b-groups-of-p", 7, 15, vpp=2), "vocab-2")
+    hang = check_nccl(insert_p2p(vocab), strict=False, warmed=True)
     assert where(hang)[:4] == (0, 95, "RECV_B7:0<1", "p2p-B-down pair 0-1")
     assert "RECV_B7:0<1 runs after REDUCE_S13:2 (vocab-stats): a stream dependency" in hang.reason
+    assert check_nccl(lower(vocab), strict=True, warmed=True) is None
 
 
 # ---- generators the brief names -----------------------------------------------------------
@@ -190,35 +214,41 @@ def test_vocab_2_worker_serialises_later_traffic_behind_the_all_gather() -> None
 @pytest.mark.parametrize("name", ["slimpipe-interleaved", "seq1f1b-interleaved"])
 @pytest.mark.parametrize("pp", [2, 3, 4])
 def test_interleaved_slices_hang_at_2p_slices(name: str, pp: int) -> None:
-    bad = lower(generate(name, pp, pp, vpp=2, slices=2 * pp))
+    bad = insert_p2p(generate(name, pp, pp, vpp=2, slices=2 * pp))
     hang = check_nccl(bad, strict=False, warmed=False)
     assert hang is not None and hang.rank == 0 and hang.op.kind == OpKind.SEND_B and hang.op.peer == pp - 1
     assert (hang.channel, hang.peers) == (f"p2p-B-up pair 0-{pp - 1}", (pp - 1,))
     assert f"which waits at RECV_F{pp - 1}:" in hang.reason and "lazy creation" in hang.reason
     assert check_nccl(bad, strict=False, warmed=True) is None
     assert check_nccl(lower(generate(name, pp, pp, vpp=2, slices=pp)), strict=False, warmed=False) is None
+    assert check_nccl(lower(generate(name, pp, pp, vpp=2, slices=2 * pp)), strict=True, warmed=False) is None
 
 
 @pytest.mark.parametrize(("pp", "vpp", "microbatches"), [(3, 2, 4), (4, 3, 5), (4, 3, 8)])
 def test_uniform_interleaved_fast_opens_pair_0_to_last_late(pp: int, vpp: int, microbatches: int) -> None:
-    schedule = lower(generate("uniform-interleaved-fast", pp, microbatches, vpp=vpp))
+    generated = generate("uniform-interleaved-fast", pp, microbatches, vpp=vpp)
+    schedule = insert_p2p(generated)
     hang = check_nccl(schedule, strict=False, warmed=False)
     assert hang is not None and hang.rank == 0 and hang.op.kind == OpKind.SEND_B
     assert (hang.channel, hang.peers) == (f"p2p-B-up pair 0-{pp - 1}", (pp - 1,))
     assert check_nccl(schedule, strict=False, warmed=True) is None
+    assert check_nccl(lower(generated), strict=True, warmed=False) is None
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8])
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "v-half", "dualpipev", "seq1f1b"])
 def test_good_schedules_with_full_offload_complete(name: str, pp: int) -> None:
-    plain = lower(generate(name, pp, 2 * pp, slices=2 if name == "seq1f1b" else 1))
+    generated = generate(name, pp, 2 * pp, slices=2 if name == "seq1f1b" else 1)
+    plain = lower(generated)
     copied = insert_offload(plain, lookahead=0)
     assert copied.offloads
     for schedule in (plain, copied):
-        assert check_nccl(schedule, strict=False, warmed=False) is None
-        assert check_nccl(schedule, strict=False, warmed=True) is None
-        # unbatched sends and receives on four groups: in-order completion hangs every one
-        hang = check_nccl(schedule, strict=True, warmed=True)
+        for strict in (False, True):
+            assert check_nccl(schedule, strict=strict, warmed=False) is None
+            assert check_nccl(schedule, strict=strict, warmed=True) is None
+    # each RECV right before its consumer, unbatched on four groups: in-order completion hangs
+    for naive in (insert_p2p(generated), insert_offload(insert_p2p(generated), lookahead=0)):
+        hang = check_nccl(naive, strict=True, warmed=True)
         assert hang is not None and hang.waits
 
 
@@ -244,42 +274,71 @@ def test_attention_service_keeps_a_receive_posted() -> None:
 
 @pytest.mark.parametrize("pp", range(2, 9))
 def test_sweep_what_holds_for_every_generator(pp: int) -> None:
-    """m = p (or the least allowed), k = 1 and 2 (or the least allowed): warmed up, with
-    communicators independent, every schedule completes; lazily, the neighbour-only placements
-    do; in order and unbatched, none does; batched, 1F1B-shaped ones do."""
-    checked, expected = 0, 0
+    """m = p (or the least allowed) and 2p + 1, k = 1, 2 and 2p (or the least allowed): lowered
+    into the step's message order, every schedule completes under all three rules, warmed up or
+    not; with each RECV right before its consumer (``insert_p2p`` alone) in-order completion
+    hangs every one, and batching adjacent sends and receives rescues only 1F1B-shaped ones."""
+    checked = 0
     for name, spec in SCHEDULES.items():
         least = spec.min_slices(pp, spec.default_vpp)
-        counts = sorted({max(1, least), max(2, least)})
-        expected += len(counts)
-        for slices in counts:
-            schedule = lower(smallest(name, pp, slices=slices))
-            assert check_nccl(schedule, strict=False, warmed=True) is None, name
-            lazy = check_nccl(schedule, strict=False, warmed=False)
-            if name in LAZY_SAFE:
-                assert lazy is None, (name, lazy)
-            elif lazy is not None:
-                assert lazy.op.kind == OpKind.SEND_B and "lazy creation" in lazy.reason
-            assert check_nccl(schedule, strict=True, warmed=True) is not None, name
-            if name in ("1f1b", "zb-h1", "seq1f1b", "slimpipe"):
-                assert check_nccl(schedule, strict=True, warmed=True, batch=True) is None, name
-            checked += 1
-    assert checked == expected >= len(SCHEDULES)
+        for slices in sorted({max(1, least), max(2, least), max(2 * pp, least)}):
+            smallest_m = max(pp, spec.min_microbatches(pp, spec.default_vpp, slices))
+            for microbatches in sorted({smallest_m, max(smallest_m, 2 * pp + 1)}):
+                generated = generate(name, pp, microbatches, vpp=spec.default_vpp, slices=slices)
+                ordered = lower(generated)
+                for warmed in (True, False):
+                    assert check_nccl(ordered, strict=True, warmed=warmed) is None, (name, slices, warmed)
+                if microbatches == smallest_m and slices <= 2:
+                    naive = insert_p2p(generated)
+                    assert check_nccl(naive, strict=False, warmed=True) is None, name
+                    assert check_nccl(naive, strict=True, warmed=True) is not None, name
+                    if name in ("1f1b", "zb-h1", "seq1f1b", "slimpipe"):
+                        assert check_nccl(naive, strict=True, warmed=True, batch=True) is None, name
+                checked += 1
+    assert checked >= 3 * len(SCHEDULES)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_every_generator_completes_in_its_message_order(pp: int) -> None:
+    """The issue's sweep: p = 2..8, m = p..3p (every p/2), every slice count in {1, 2, p, 2p} the
+    generator allows, without vocabulary parallelism and with both variants, offload none and
+    full: every lowered schedule completes under rules 1-3 with the warm-up (and with lazy
+    creation, but for vocab-2, whose reduce worker issues outside the step's order)."""
+    checked = 0
+    for name, spec in SCHEDULES.items():
+        least = max(1, spec.min_slices(pp, spec.default_vpp))
+        for slices in sorted({least, *[k for k in (1, 2, pp, 2 * pp) if k >= least]}):
+            smallest_m = max(pp, spec.min_microbatches(pp, spec.default_vpp, slices))
+            for microbatches in range(smallest_m, max(smallest_m, 3 * pp) + 1, max(1, pp // 2)):
+                generated = generate(name, pp, microbatches, vpp=spec.default_vpp, slices=slices)
+                for variant in ("none", "vocab-1", "vocab-2"):
+                    schedule = lower(add_vocab_passes(generated, variant))
+                    for copies in (schedule, insert_offload(schedule, lookahead=0)):
+                        assert check_nccl(copies, strict=True, warmed=True) is None, (name, variant)
+                    if variant != "vocab-2":
+                        assert check_nccl(schedule, strict=True, warmed=False) is None, (name, variant)
+                    checked += 1
+    assert checked > 0
 
 
 # ---- simulate ------------------------------------------------------------------------------------
 
 
-def test_simulate_reports_nccl(capsys) -> None:
+def test_simulate_reports_nccl(capsys, tmp_path) -> None:
     args = ["simulate", "--schedule", "1f1b", "--pp", "3", "--microbatches", "4"]
     assert main([*args, "--pp-vocab-parallel", "vocab-2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["nccl"]["relaxed"] is None
-    lazy = data["nccl"]["lazy_creation"]
-    assert lazy.startswith("rank 0 waits at BCAST_X2:0 (position 0) on channel vocab-x for rank 2")
-    assert data["nccl"]["strict"] is not None
+    assert data["nccl"] == {"strict": None, "relaxed": None, "lazy_creation": None}
     assert data["without_vocab_parallel"]["nccl"]["lazy_creation"] is None
     assert main(args) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == "NCCL: in-order completes, relaxed completes, lazy creation completes"
+    # a hand-written schedule with its RECVs where the user put them is checked as it stands
+    naive = insert_p2p(two_rank("F0:0 F0:1 BW0:0 BW0:1", "F1:0 BW1:0 F1:1 BW1:1"))
+    path = tmp_path / "naive.txt"
+    path.write_text(naive.to_text())
+    assert main(["simulate", "--schedule-file", str(path)]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.startswith("NCCL: in-order hangs, relaxed completes, lazy creation completes: rank 0 waits")
     summary = nccl_summary(generate("1f1b", 1, 2))

@@ -37,9 +37,16 @@ SCHEDULES = {
     "v-half-vocab-2": ("v-half", 1, "vocab-2"),
     "slimpipe-interleaved-k4": ("slimpipe-interleaved", 4, "none"),
 }
-# (emulate NCCL's creation rule, warm every communicator up first): the bad mode last, since a
-# hung case leaves its (then unused) groups behind
-MODES = {"gloo-lazy": (False, False), "emulated-warm": (True, True), "emulated-lazy": (True, False)}
+# (emulate NCCL's creation rule, warm every communicator up first, run the naive order: each
+# RECV right before its consumer, the collectives where the vocabulary pass put them, as lowering
+# left them before the step's message order): the bad mode last, since a hung case leaves its
+# (then unused) groups behind
+MODES = {
+    "gloo-lazy": (False, False, True),
+    "emulated-warm": (True, True, False),
+    "emulated-lazy-ordered": (True, False, False),
+    "emulated-lazy": (True, False, True),
+}
 DEADLINE = 5.0
 
 
@@ -53,6 +60,7 @@ def emulation_worker(rank: int, world: int) -> dict:
     from megatron_pp_ext.runtime.reference import reference_step
     from megatron_pp_ext.runtime.vocab_parallel import VocabGroups
     from megatron_pp_ext.schedule.generators import generate
+    from megatron_pp_ext.schedule.lowering import insert_p2p
     from megatron_pp_ext.schedule.vocab import add_vocab_passes
 
     init_parallel_state(world)
@@ -78,6 +86,8 @@ def emulation_worker(rank: int, world: int) -> dict:
             schedule = generate(schedule_name, world, MICROBATCHES, slices=slices)
             if variant != "none":
                 schedule = add_vocab_passes(schedule, variant)
+            if MODES[mode][2]:
+                schedule = insert_p2p(schedule)  # lowered already: the runtime keeps this order
             chunks, names_of = build_chunks_from(
                 reference, model_cfg, schedule.placement, rank, sliced=slices > 1
             )
@@ -112,8 +122,10 @@ def _launch() -> tuple:
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
-@pytest.mark.parametrize("mode", ["gloo-lazy", "emulated-warm"])
+@pytest.mark.parametrize("mode", ["gloo-lazy", "emulated-warm", "emulated-lazy-ordered"])
 def test_runs_exactly_on_plain_gloo_and_warmed_under_emulation(name: str, mode: str) -> None:
+    """The naive order on plain gloo, and under emulation the runtime's own: warmed up, or even
+    without the warm-up (the step's message order makes first uses come in one order too)."""
     reports = [r[f"{name}/{mode}"] for r in _launch()]
     errors = [f"rank {rank}: {r['error']}" for rank, r in enumerate(reports) if "error" in r]
     assert not errors, "\n".join(errors)
@@ -246,20 +258,19 @@ def test_gloo_already_makes_a_send_wait_for_its_receive() -> None:
 
 
 def test_train_refuses_a_schedule_that_would_hang_under_nccl() -> None:
-    """One of the 4 configurations the check finds hanging even with the warm-up (vocab-2's
-    reduce worker waits on the stream later p2p needs, docs/nccl.md): refused in one line, exit
-    2, before any process starts."""
-    import subprocess
-    import sys
+    """Every generated schedule is lowered into the step's message order and passes; one whose
+    RECVs stand right before their consumers (rank 0 sends F0:1 then receives B0:0, rank 1 the
+    mirror image) hangs in launch order: ``schedule_for``'s check refuses it in one line naming
+    the flag (train and the hook exit 2 on it)."""
+    from megatron_pp_ext.megatron.hook import OptionError, check_under_nccl
+    from megatron_pp_ext.schedule.ir import Schedule
+    from megatron_pp_ext.schedule.lowering import insert_p2p, lower
 
-    flags = ["--pp", "7", "--pp-schedule", "interleaved-1f1b-groups-of-p", "--microbatches", "15"]
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_pp_ext", "train", *flags, "--pp-vocab-parallel", "vocab-2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2, done.stderr[-2000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert "--pp-schedule" in last and "would hang under NCCL" in last and "rank 0 waits at" in last, last
-    assert "steady-state" not in done.stdout  # nothing trained
+    text = "pp: 2\nmicrobatches: 2\nrank 0: F0:0 F0:1 BW0:0 BW0:1\nrank 1: F1:0 BW1:0 F1:1 BW1:1"
+    check_under_nccl(lower(Schedule.from_text(text)))
+    with pytest.raises(OptionError) as refused:
+        check_under_nccl(insert_p2p(Schedule.from_text(text)))
+    message = str(refused.value)
+    assert "would hang under NCCL" in message and "rank 0 waits at RECV_B0:0<1" in message, message
+    assert "launch order" in message and "\n" not in message
+    assert refused.value.flag == "--pp-schedule"

@@ -49,8 +49,9 @@ def test_lowering_keeps_copies_outside_the_comm_of_their_op() -> None:
     offloaded = lower(insert_offload(generate("1f1b", 3, 6)))
     validate(offloaded)
     ops = text_of(offloaded.ranks[1])
-    assert "F1:1 SEND_F1:1>2 OFFLOAD1:1" in ops  # the output leaves first
-    assert "RELOAD1:1 RECV_F1:2<0 F1:2 SEND_F1:2>2 OFFLOAD1:2 RECV_B1:1<2 BW1:1" in ops  # before the wait
+    # the output leaves first (the next input's receive is posted before it: the message order)
+    assert "F1:1 RECV_F1:2<0 SEND_F1:1>2 OFFLOAD1:1" in ops
+    assert "RELOAD1:1 F1:2 SEND_F1:2>2 OFFLOAD1:2 RECV_B1:1<2 BW1:1" in ops  # before the wait
     # the pass also works on an already lowered schedule, with the same result
     assert lower(insert_offload(lower(generate("1f1b", 3, 6)))).ranks == offloaded.ranks
 

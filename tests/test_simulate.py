@@ -66,7 +66,7 @@ def test_sliced_1f1b_holds_less_than_whole_microbatches() -> None:
 
 def test_simulation_reports_deadlock() -> None:
     text = "pp: 2\nmicrobatches: 2\nrank 0: F0:0 BW0:0 F0:1 BW0:1\nrank 1: F1:0 F1:1 BW1:0 BW1:1\n"
-    with pytest.raises(ScheduleError, match="deadlock in simulation: rank 0 waits at RECV_B0:0<1"):
+    with pytest.raises(ScheduleError, match="deadlock in simulation: rank 0 waits at BW0:0 for RECV_B0:0<1"):
         simulate(Schedule.from_text(text))
 
 

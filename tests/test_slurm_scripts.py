@@ -210,8 +210,10 @@ def test_every_sbatch_dry_run_passes_megatrons_parser(tmp_path: Path) -> None:
     assert by_name["llama2-7b 32K v-zb"]["virtual_pipeline_model_parallel_size"] == 2  # V-shape: 2 chunks
 
     # NCCL's rules (schedule/nccl_check.py): every layout's schedule completes one step as the
-    # runtime runs it (communicators warmed up front); created lazily at first use instead, the
-    # SlimPipe layouts with 2p slices would hang at their first step
+    # runtime runs it (the step's messages in one global order, communicators warmed up front),
+    # under all three rules; with each RECV right before its consumer and communicators created
+    # at first use, the SlimPipe layouts with 2p slices would hang at their first step
+    from megatron_pp_ext.schedule.lowering import insert_p2p
     from megatron_pp_ext.schedule.nccl_check import check_nccl
 
     checked = 0
@@ -220,11 +222,12 @@ def test_every_sbatch_dry_run_passes_megatrons_parser(tmp_path: Path) -> None:
         assert got["pp_p2p_timeout"] == 60 * got["distributed_timeout_minutes"], name
         schedule = layout_schedule(got)
         if schedule is not None:
-            assert check_nccl(schedule, strict=False, warmed=True) is None, name
+            assert check_nccl(schedule, strict=True, warmed=True) is None, name
             checked += 1
     assert checked >= len(SCRIPTS)
     for tag in ("256k", "512k"):
-        hang = check_nccl(layout_schedule(by_name[f"llama2-70b-slimpipe-{tag}.sbatch"]), strict=False)
+        naive = insert_p2p(layout_schedule(by_name[f"llama2-70b-slimpipe-{tag}.sbatch"]))
+        hang = check_nccl(naive, strict=False)
         assert hang is not None and "creating" in hang.message(), tag
 
 

@@ -196,12 +196,13 @@ class PipelineOptions:
 def check_under_nccl(schedule: Schedule) -> None:
     """Refuse, before the first step, a schedule that would hang under NCCL as the runtime runs
     it (``schedule/nccl_check.py``): every communicator created up front in one global order
-    (``runtime/creation.py``, so lazy creation cannot hang it) and rendezvous sends. NCCL's third
-    rule, completion in launch order across communicators, is not met by the runtime's unbatched
-    sends yet: ``simulate`` reports it, nothing refuses it."""
+    (``runtime/creation.py``), rendezvous sends and completion in launch order across
+    communicators (lowering puts the step's messages in one global order,
+    ``schedule/message_order.py``). SlimPipe's attention redistribution is not in the check (its
+    plan needs the slice lengths): docs/nccl.md."""
     from ..schedule.nccl_check import check_nccl
 
-    hang = check_nccl(schedule, strict=False, warmed=True)
+    hang = check_nccl(schedule, strict=True, warmed=True)
     if hang is not None:
         raise OptionError(
             f"{schedule.name} would hang under NCCL: {hang.message()}; choose another schedule or "

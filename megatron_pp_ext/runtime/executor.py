@@ -6,8 +6,10 @@ one training step per :meth:`PipelineRuntime.step`, in the shape of Megatron's
 ``num_microbatches``, ``forward_only``; it returns the per-microbatch loss dicts on the rank that
 holds the last virtual stage (rank 0 for V-shape schedules) and an empty list elsewhere.
 
-Ops run strictly in list order. F/B/W/BW run on the chunk of their stage; RECV ops block (with
-a deadline, see ``p2p.py``), SEND ops are asynchronous and release the stage output's storage
+Ops run strictly in list order. F/B/W/BW run on the chunk of their stage; RECV ops post their
+receive (lowering puts them in the step's global message order, ``schedule/message_order.py``)
+and the op that needs the tensor waits for it (with a deadline, see ``p2p.py``); SEND ops are
+asynchronous and release the stage output's storage
 once sent (Megatron's ``deallocate_output_tensor``). Two consecutive stages on the same rank (the
 tip of a V) hand over in memory. Weight gradients land in ``param.grad`` (or ``main_grad``);
 zeroing them, finalising them (``finalize_model_grads``) and the optimizer step are the caller's.
@@ -46,7 +48,7 @@ from .creation import Communicator
 from .grad_sync import GradSync
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, OffloadStats
-from .p2p import PeerError, PipeComm
+from .p2p import PeerError, PipeComm, PostedRecv
 from .redistribution import AttentionCounts, Redistribution, StepRedistribution
 from .slicing import SliceFn, StepSlicing, plan_slices
 from .stage import ForwardStepFunc, LossRecord, StageRunner, deallocate
@@ -408,6 +410,7 @@ class PipelineRuntime:
             if isinstance(error, _Restart):
                 assert rng is not None
                 rng.restore()
+                run.settle_received()
                 raise
             self.comm.abandon()
             if failure is not None and failure not in str(error):
@@ -538,8 +541,9 @@ class _StepRun:
         self.forward_only = forward_only
         self.losses = LossRecord()
         # (kind, stage, microbatch, slice) -> (tensor, hold). Inbox: inputs of F (kind F) and
-        # output gradients of B/BW (kind B) of *this* stage. Outbox: what SEND ops send.
-        self.inbox: dict[tuple[str, int, int, int], tuple[Tensor, Hold]] = {}
+        # output gradients of B/BW (kind B) of *this* stage, received or still in flight.
+        # Outbox: what SEND ops send.
+        self.inbox: dict[tuple[str, int, int, int], tuple[Tensor | PostedRecv, Hold]] = {}
         self.outbox: dict[tuple[str, int, int, int], tuple[Tensor, Hold]] = {}
         self.op_count: dict[str, int] = {}
         self.vocab: VocabStep | None = None
@@ -599,6 +603,13 @@ class _StepRun:
         if leftovers:
             raise PipelineError(f"rank {self.rt.rank}: step ended with " + "; ".join(leftovers[:5]))
 
+    def settle_received(self) -> None:
+        """Take in the receives posted before the gate (their senders sent before theirs, see
+        ``schedule/gate.py``), so that a restarted step's receives match the next messages."""
+        for tensor, _ in self.inbox.values():
+            if isinstance(tensor, PostedRecv):
+                tensor.wait()
+
     def drop_message(self, op: Op) -> None:
         """Take the message of RECV ``op`` that a peer sent before it restarted, and drop it."""
         direction = "F" if op.kind == OpKind.RECV_F else "B"
@@ -622,10 +633,11 @@ class _StepRun:
             self.runners[op.stage].weight((op.microbatch, op.slice))
         elif kind in (OpKind.RECV_F, OpKind.RECV_B):
             direction = "F" if kind == OpKind.RECV_F else "B"
-            tensor = self.rt.comm.recv(
+            posted = self.rt.comm.post_recv(
                 self._message_shape(op), self.rt.dtype, self.rt.device, op.peer, direction, str(op)
             )
-            self.inbox[(direction, op.stage, op.microbatch, op.slice)] = (tensor, self.rt.meter.hold(tensor))
+            hold = self.rt.meter.hold(posted.buffer)
+            self.inbox[(direction, op.stage, op.microbatch, op.slice)] = (posted, hold)
         elif kind in (OpKind.SEND_F, OpKind.SEND_B):
             direction = "F" if kind == OpKind.SEND_F else "B"
             tensor, hold = self.outbox.pop((direction, op.stage, op.microbatch, op.slice))
@@ -681,6 +693,8 @@ class _StepRun:
                 f"rank {self.rt.rank}: {op} has no {'input' if direction == 'F' else 'output gradient'}"
             )
         tensor, hold = item
+        if isinstance(tensor, PostedRecv):
+            tensor = tensor.wait()  # posted by its RECV, in the step's message order
         hold.release()  # the runner holds what it keeps
         return tensor
 

@@ -1,7 +1,8 @@
 """Point-to-point transfers between pipeline ranks, with a deadline on every wait.
 
-Sends are asynchronous (``isend``; the buffer stays referenced until the transfer completes),
-receives block. Every message goes on one of four process groups, one per channel kind:
+Sends are asynchronous (``isend``; the buffer stays referenced until the transfer completes);
+a receive is posted where the schedule puts it (``post_recv``) and waited for when its tensor is
+needed. Every message goes on one of four process groups, one per channel kind:
 (forward or backward) x (towards a higher or a lower rank). On each group a pair of ranks then
 exchanges messages one way only, in the order the schedule validator checks, so NCCL (which
 matches p2p messages in order and serialises a pair's traffic on one stream) cannot cross two
@@ -231,6 +232,20 @@ class PipeComm:
         what: str,
     ) -> Tensor:
         """Receive a tensor from pipeline rank ``peer``; raise :class:`PeerError` on timeout."""
+        return self.post_recv(shape, dtype, device, peer, direction, what).wait()
+
+    def post_recv(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        peer: int,
+        direction: str,
+        what: str,
+    ) -> PostedRecv:
+        """Post the receive of a tensor from pipeline rank ``peer``; ``wait()`` on the result
+        when the tensor is needed. Posting early is what keeps every rank's communication in one
+        global order (``schedule/message_order.py``) without holding its compute back."""
         buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
         group = self.channel_group(direction, peer, self.rank)
         self.creation.use(self.creation.pair(direction, peer, self.rank), what)
@@ -238,12 +253,7 @@ class PipeComm:
             work = dist.irecv(buffer, src=self.ranks[peer], group=group)
         except RuntimeError as error:
             raise PeerError(f"rank {self.rank}: {what} from rank {peer} failed: {error}") from error
-        start = time.monotonic()
-        try:
-            self.wait_work(work, f"{what} from", peer)
-        finally:
-            self.wait_seconds += time.monotonic() - start
-        return buffer
+        return PostedRecv(self, work, buffer, what, peer)
 
     def wait_work(self, work: dist.Work, what: str, peer: int) -> None:
         """Wait for one transfer with ``peer`` within the timeout; PeerError names rank, op, peer."""
@@ -265,6 +275,24 @@ class PipeComm:
                 f"rank {self.rank}: {what} rank {peer} did not complete after {waited:.1f}s "
                 f"(timeout {self.timeout_s:.1f}s): {error}"
             ) from error
+
+
+class PostedRecv:
+    """A receive in flight; :meth:`wait` returns its tensor (once), within the deadline."""
+
+    def __init__(self, comm: PipeComm, work: dist.Work, buffer: Tensor, what: str, peer: int) -> None:
+        self.comm, self.work, self.buffer, self.what, self.peer = comm, work, buffer, what, peer
+        self.done = False
+
+    def wait(self) -> Tensor:
+        if not self.done:
+            start = time.monotonic()
+            try:
+                self.comm.wait_work(self.work, f"{self.what} from", self.peer)
+            finally:
+                self.comm.wait_seconds += time.monotonic() - start
+            self.done = True
+        return self.buffer
 
 
 def _all_pipelines(ranks: list[int]) -> list[list[int]]:

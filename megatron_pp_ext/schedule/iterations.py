@@ -38,14 +38,8 @@ ops of one iteration depend on the previous iteration only through each rank's o
 rank's first op of iteration i+1 cannot start before the rank's optimizer step of iteration i
 ended, and (post-validation) its op at the gate not before ``reduced`` of iteration i. So
 iteration i+1 is the single-iteration replay with each rank's clock starting at that time
-instead of 0, and held at the gate. :func:`simulate` has no start-time argument, so each rank's
-op list gets marker pairs: a SEND at the head of the list and its own RECV, of a message no other
-op uses (negative microbatch id), whose latency (a cost-model wrapper) is the absolute time
-wanted: the SEND is issued at the rank's clock start, 0 in the replay, so the message arrives at
-that time. The start marker's RECV follows its SEND at the head; the gate marker's RECV sits
-right before the op at the gate position. A RECV sets the rank's clock to max(clock, arrival):
-the op after it starts no earlier. Markers are not compute, so busy time, events and memory are
-unchanged. Copies and collectives of the iteration happen after the rank's start, so their
+instead of 0, and held at the gate: :func:`simulate`'s ``holds`` (the earliest start of the op
+at a rank's position). Copies and collectives of the iteration happen after the rank's start, so their
 streams and channels need no carry-over either. A rank's iteration ends at its last compute op,
 copy or collective, or at its gate when nothing follows that.
 
@@ -72,28 +66,11 @@ from typing import Any
 
 from .costs import CostModel, UniformCosts
 from .gate import gate_at_start, validation_gate
-from .ir import Op, OpKind, Schedule
+from .ir import Schedule
 from .lowering import lower
 from .simulate import SimResult, simulate
 
 OPTIMIZERS = ("sync", "post-validation", "post-validation-wait")
-
-
-class _Offset:
-    """``costs`` with the markers' latencies: marker ``k`` (microbatch -1-k) takes ``times[k]``,
-    the absolute time its RECV waits for; everything else is the wrapped model's."""
-
-    def __init__(self, costs: CostModel, times: Sequence[float]) -> None:
-        self._costs = costs
-        self._times = times
-
-    def comm_latency(self, op: Op) -> float:
-        if op.microbatch < 0:
-            return self._times[-1 - op.microbatch]
-        return self._costs.comm_latency(op)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._costs, name)
 
 
 def gate_positions(schedule: Schedule, at_start: bool | None = None) -> list[int]:
@@ -107,32 +84,6 @@ def gate_positions(schedule: Schedule, at_start: bool | None = None) -> list[int
     if at_start:
         return [0] * lowered.pp
     return validation_gate(lowered).positions
-
-
-def _with_markers(schedule: Schedule, gates: Sequence[int] | None = None) -> Schedule:
-    """The lowered schedule with a start marker pair on every rank (rank r: microbatch -1-r) and,
-    with ``gates`` (positions in the lowered schedule), a gate marker pair (-1-p-r): both SENDs at
-    the head, the start RECV after them, the gate RECV right before the op at the gate."""
-    lowered = lower(schedule)
-    pp = lowered.pp
-    ranks = []
-    for rank, ops in enumerate(lowered.ranks):
-        start = -1 - rank
-        if gates is None:
-            ranks.append([Op(OpKind.SEND_F, 0, start), Op(OpKind.RECV_F, 1, start), *ops])
-            continue
-        gate, at = -1 - pp - rank, gates[rank]
-        ranks.append(
-            [
-                Op(OpKind.SEND_F, 0, start),
-                Op(OpKind.SEND_F, 0, gate),
-                Op(OpKind.RECV_F, 1, start),
-                *ops[:at],
-                Op(OpKind.RECV_F, 1, gate),
-                *ops[at:],
-            ]
-        )
-    return lowered.with_ranks(ranks)
 
 
 @dataclass
@@ -284,7 +235,6 @@ def simulate_iterations(
     if hop_time is None:
         hop_time = float(getattr(costs, "comm", None) or 0.0)
     positions = gate_positions(schedule, gate_at_start) if optimizer == "post-validation" else None
-    marked = _with_markers(schedule, positions)
     start = [0.0] * schedule.pp
     gate = [0.0] * schedule.pp  # iteration 1 has no previous step to wait for
     runs: list[SimResult] = []
@@ -293,8 +243,11 @@ def simulate_iterations(
     gates: list[list[float]] = []
     order: list[int] | None = None
     for _ in range(iterations):
-        result = simulate(marked, _Offset(costs, [*start, *gate]))  # type: ignore[arg-type]
-        result.schedule = schedule
+        holds = {(rank, 0): time for rank, time in enumerate(start)}
+        if positions is not None:  # the op at the gate waits for the previous global check too
+            for rank, (at, time) in enumerate(zip(positions, gate)):
+                holds[(rank, at)] = max(time, holds.get((rank, at), 0.0))
+        result = simulate(schedule, costs, holds)
         ends = _rank_ends(result, start, gate if positions is not None else None)
         order = order or chain_order(ends, chain)
         step, next_start = optimizer_steps(ends, optimizer, optimizer_time, reduce_time, hop_time, order)

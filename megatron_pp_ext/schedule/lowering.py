@@ -3,9 +3,10 @@
 A pass is a function ``Schedule -> Schedule``. :func:`insert_p2p` adds the point-to-point
 communication: a RECV right before each compute op whose input lives on another rank, and a
 SEND right after each compute op whose output another rank needs. Two stages on the same rank
-(the tip of a V) hand over in memory and get no comm op. :func:`insert_offload` adds the
-activation copies of PipeOffload (which units to copy is a policy: ``offload.py``). Later passes
-(vocabulary S/T ops) plug into :func:`lower` the same way.
+(the tip of a V) hand over in memory and get no comm op. :func:`order_messages` then moves the
+RECVs earlier (and the vocabulary collectives later) into one global order of the step's
+messages. :func:`insert_offload` adds the activation copies of PipeOffload (which units to copy
+is a policy: ``offload.py``). Later passes plug into :func:`lower` the same way.
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ def _group_start(ops: list[Op], position: int) -> int:
 
 
 def _group_end(ops: list[Op], position: int) -> int:
-    """Last position of the F at ``position`` together with the SEND of its output."""
+    """Last position of the F at ``position`` together with the SEND of its output (receives
+    posted right before that SEND, in the step's message order, stay inside the group)."""
     unit = ops[position].unit
-    while (
-        position + 1 < len(ops) and ops[position + 1].kind == OpKind.SEND_F and ops[position + 1].unit == unit
-    ):
-        position += 1
+    scan = position + 1
+    while scan < len(ops) and ops[scan].is_comm:
+        if ops[scan].kind == OpKind.SEND_F and ops[scan].unit == unit:
+            return scan
+        scan += 1
     return position
 
 
@@ -119,10 +122,22 @@ def offload_pass(units: Collection[Unit] | None = None, lookahead: int = 1) -> P
     return lambda schedule: insert_offload(schedule, units, lookahead)
 
 
-DEFAULT_PASSES: tuple[Pass, ...] = (insert_p2p,)
+def order_messages(schedule: Schedule) -> Schedule:
+    """Post the RECVs and issue the vocabulary collectives in one global order of the step's
+    messages (``message_order.py``: NCCL's in-order completion cannot hang it then)."""
+    from .message_order import order_messages as in_one_order  # it replays the schedule: simulate imports us
+
+    return in_one_order(schedule)
+
+
+DEFAULT_PASSES: tuple[Pass, ...] = (insert_p2p, order_messages)
 
 
 def lower(schedule: Schedule, passes: tuple[Pass, ...] = DEFAULT_PASSES) -> Schedule:
+    """``schedule`` with its communication ops; a schedule that has them already is returned
+    as it is (offload adds its copies to a lowered schedule, which must keep its order)."""
+    if schedule.is_lowered:
+        return schedule
     for lowering_pass in passes:
         schedule = lowering_pass(schedule)
     return schedule

@@ -18,7 +18,9 @@ waits for. How each op is issued:
 
 * SEND_F/SEND_B: ``isend`` on one of four groups, one per (F or B, towards a higher or a lower
   rank); the host goes on; the end of the step waits for every send (flush). RECV_F/RECV_B:
-  ``irecv`` on the sender's group, then the host waits for it.
+  ``irecv`` on the sender's group, posted where it stands (lowering puts it in the step's global
+  message order, ``message_order.py``); the host waits for it when the op that consumes the
+  message is about to run.
 * Vocabulary collectives are issued where they stand, asynchronously, on the groups ``x``
   (BCAST_X), ``stats`` (REDUCE_S's all-gather), ``out`` (REDUCE_T; vocab-2's REDUCE_S reduce,
   issued by a worker thread once the all-gather is in) and ``emb`` (BCAST_IDS, REDUCE_EMB,
@@ -51,6 +53,7 @@ from typing import Any
 from .ir import BACKWARD_KINDS, COMM_KINDS, Op, OpKind, Schedule, format_op
 from .lowering import lower
 from .nccl_replay import CommOp, Condition, Program, Replay, Thread, Unit
+from .simulate import message_key as simulate_message_key
 from .vocab import Layout
 
 VOCAB_GROUPS: dict[OpKind, str] = {
@@ -201,6 +204,8 @@ class _Model:
             (rank, op): partner for (rank, partner), ops in self.requests.items() for _, op in ops
         }
         self.vocab: dict[tuple[int, str, int, int], Unit] = {}
+        # (rank, direction, stage, microbatch, slice) -> the posted receive of that message
+        self.received: dict[tuple[int, str, int, int, int], tuple[Unit, CommOp]] = {}
         self.mains: list[Thread] = []
         for rank in everyone:  # helpers first: they start before the step's first op
             services = []
@@ -286,11 +291,10 @@ class _Model:
             role = "send" if sending else "recv"
             ops.append(CommOp(rank, comm, role, format_op(op), op, position, op.peer))
         unit = yield from self._launch(thread, ops)
-        if any(op.role == "recv" for op in ops):
-            first = next(op for op in ops if op.role == "recv")
-            thread.position, thread.op = first.position, first.source
-            yield from self._wait(thread, unit)
-        else:
+        for op in ops:
+            if op.role == "recv":  # posted here; the op that consumes the message waits for it
+                self.received[(rank, *simulate_message_key(op.source))] = (unit, op)
+        if all(op.role == "send" for op in ops):
             sent.append(unit)
 
     def _issue(self, thread: Thread, op: Op, position: int) -> Program:
@@ -317,6 +321,13 @@ class _Model:
     def _compute(self, thread: Thread, op: Op, position: int) -> Program:
         rank = thread.rank
         lay = self.layout
+        direction = "F" if op.kind == OpKind.F else "B" if op.kind in BACKWARD_KINDS else None
+        posted = self.received.pop((rank, direction, *op.unit), None) if direction else None
+        if posted is not None:  # the host waits for its input (p2p.PendingRecv.wait)
+            unit, recv = posted
+            thread.position, thread.op = recv.position, recv.source
+            yield from self._wait(thread, unit)
+            thread.position, thread.op = position, op
         if self.variant != "none":
             if op.kind == OpKind.F and op.stage == 0 and rank == lay.first_rank:
                 self.replay.stream_wait(rank, self._vocab_unit(rank, "REDUCE_EMB", op))

@@ -1,8 +1,10 @@
 """Event-driven replay of a lowered schedule: time, bubbles and activation memory per rank.
 
-Each rank runs its ops in order. A compute op starts when the rank is free; a RECV completes
-when the matching SEND's data has arrived (the SEND is issued when the producing op ends and
-the message takes the cost model's latency); sends never block. Memory: F adds the op's
+Each rank runs its ops in order. A compute op starts when the rank is free and its input has
+arrived: a RECV only posts the receive (``lowering`` may post it early, see
+``message_order.py``); the op that consumes the message waits for the matching SEND's data (the
+SEND is issued when the producing op ends and the message takes the cost model's latency);
+sends never block. Memory: F adds the op's
 activation when it starts, B frees all but the weight-gradient share (at its end), W frees that
 share, BW frees everything.
 
@@ -34,6 +36,7 @@ import itertools
 import math
 from bisect import bisect_right, insort
 from collections import defaultdict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,13 +230,29 @@ class _Collectives:
         return finished
 
 
-def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
-    """Replay ``schedule`` (lowered first if needed) under ``costs`` (unit costs by default)."""
+def simulate(
+    schedule: Schedule, costs: CostModel | None = None, holds: Mapping[tuple[int, int], float] | None = None
+) -> SimResult:
+    """Replay ``schedule`` (lowered first if needed) under ``costs`` (unit costs by default).
+    ``holds``: (rank, position in the lowered schedule) -> the earliest time that rank may start
+    the op there (``iterations.py``: an iteration's start and its validation gate)."""
+    return replay(lower(schedule), costs, schedule, holds)
+
+
+def replay(
+    lowered: Schedule,
+    costs: CostModel | None = None,
+    schedule: Schedule | None = None,
+    holds: Mapping[tuple[int, int], float] | None = None,
+) -> SimResult:
+    """Replay ``lowered`` as it stands (no lowering pass runs: ``message_order`` replays the
+    schedule it is ordering). ``schedule``: what the result reports (default ``lowered``)."""
+    schedule = lowered if schedule is None else schedule
+    holds = holds or {}
     if costs is None:
         costs = UniformCosts(
             num_stages=schedule.num_stages, num_slices=schedule.slices, chunks_per_rank=schedule.vpp
         )
-    lowered = lower(schedule)
     layout = Layout.of(lowered)
     vocab_memory = getattr(costs, "vocab_activation", None) or (lambda op: 0.0)
     arrival: dict[tuple[str, int, int, int], float] = {}  # message_key -> arrival time
@@ -251,6 +270,17 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     events: list[Event] = []
     pointers = [0] * lowered.pp
     last_compute_end = [0.0] * lowered.pp
+    posted: list[set[tuple[str, int, int, int]]] = [set() for _ in range(lowered.pp)]  # RECVs not consumed
+
+    def inbound(rank: int, op: Op) -> tuple[str, int, int, int] | None:
+        """The posted message a compute op consumes (its input, or its output gradient)."""
+        if op.kind == OpKind.F:
+            key = ("F", op.stage, op.microbatch, op.slice)
+        elif op.kind in BACKWARD_KINDS:
+            key = ("B", op.stage, op.microbatch, op.slice)
+        else:
+            return None
+        return key if key in posted[rank] else None
 
     def collective_ready(rank: int, op: Op) -> float | None:
         """When the collective ``op`` waits for has completed (0.0: it waits for none; None: not yet)."""
@@ -263,10 +293,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         """Run ``op`` on ``rank`` if it can run now; return whether it ran."""
         now = clock[rank]
         if op.kind in (OpKind.RECV_F, OpKind.RECV_B):
-            key = message_key(op)
-            if key not in arrival:
-                return False
-            clock[rank] = max(now, arrival[key])
+            posted[rank].add(message_key(op))  # the consumer waits for the data
             return True
         if op.kind in (OpKind.SEND_F, OpKind.SEND_B):
             arrival[message_key(op)] = last_compute_end[rank] + costs.comm_latency(op)
@@ -291,6 +318,12 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
             for done in collectives.issue(rank, op, clock[rank]):
                 wake(("COLLECTIVE", done.kind, *done.unit))
             return True
+        message = inbound(rank, op)
+        if message is not None:
+            if message not in arrival:
+                return False
+            posted[rank].discard(message)
+            ready = max(ready, arrival[message])
         duration = costs.duration(op)
         start = max(now, ready)
         if op.kind in BACKWARD_KINDS:
@@ -321,8 +354,9 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         changes[rank].append((time, next(order), delta))
 
     def wait_key(rank: int, op: Op) -> tuple:
-        if op.kind in (OpKind.RECV_F, OpKind.RECV_B):
-            return message_key(op)
+        message = inbound(rank, op)
+        if message is not None and message not in arrival:
+            return message
         needed = layout.waits_for(op, rank)
         assert needed is not None
         return ("COLLECTIVE", needed.kind, *needed.unit)
@@ -340,6 +374,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         ops = lowered.ranks[rank]
         while pointers[rank] < len(ops):
             op = ops[pointers[rank]]
+            clock[rank] = max(clock[rank], holds.get((rank, pointers[rank]), 0.0))
             if not step(rank, op):
                 waiting[wait_key(rank, op)].append(rank)
                 break
@@ -348,7 +383,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
             pointers[rank] += 1
     stuck = [r for r in range(lowered.pp) if pointers[r] < len(lowered.ranks[r])]
     if stuck:
-        detail = "; ".join(f"rank {r} waits at {format_op(lowered.ranks[r][pointers[r]])}" for r in stuck)
+        detail = "; ".join(f"rank {r} waits at {_waiting(lowered.ranks[r], pointers[r])}" for r in stuck)
         raise ScheduleError(f"deadlock in simulation: {detail}")
     makespan = max((e.end for e in events + collectives.events), default=0.0)
     peaks, curves = _memory(changes)
@@ -364,6 +399,20 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         offloaded_bytes_per_rank=offloaded_bytes,
         collectives=collectives.events,
     )
+
+
+def _waiting(ops: list[Op], position: int) -> str:
+    """The op a stuck rank stands at, and the RECV whose message it waits for, if any."""
+    op = ops[position]
+    text = format_op(op)
+    if op.kind == OpKind.F or op.kind in BACKWARD_KINDS:
+        wanted = ("F" if op.kind == OpKind.F else "B", op.stage, op.microbatch, op.slice)
+        posted = [
+            o for o in ops[:position] if o.kind in (OpKind.RECV_F, OpKind.RECV_B) and message_key(o) == wanted
+        ]
+        if posted:
+            text += f" for {format_op(posted[0])}"
+    return text
 
 
 def _memory(

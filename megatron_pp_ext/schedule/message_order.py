@@ -1,0 +1,152 @@
+"""One global order for a step's messages, so that NCCL's in-order completion cannot hang it.
+
+With ``CUDA_DEVICE_MAX_CONNECTIONS=1`` a GPU completes its communication in launch order, across
+all its communicators (docs/nccl.md, rule 3). Two ranks then hang when one launches A before B and
+its peer B before A: rank r sends F(k) to rank r+1 and then posts the receive of B(j) from it,
+while rank r+1 sends B(j) first and receives F(k) after. Megatron's p2p_communication avoids it
+for 1F1B by batching each adjacent send and receive; that does not cover V shapes, interleaving
+at k = 2p or the vocabulary collectives. What covers every schedule: if every rank launches its
+messages in the order of one global list, the first message of that list not yet completed has
+both ends at the head of their queues, so it completes, whatever the timing.
+
+The list comes from a replay of the schedule (``simulate.replay``, uniform costs): a message's
+place is the time its SEND goes out, a collective's the time its last member issues it. Each rank
+keeps its compute ops and sends where they are (a send right after the op that produces it) and
+moves each RECV and each vocabulary collective to its place in the list:
+
+* a RECV moves earlier only as far as it must: before the first send that comes after its message
+  in the list (else before its consumer, as now); the runtime posts the receive there and waits
+  for it when the consumer runs. Posting as late as that keeps each rank's queue free (a posted
+  receive holds every later launch back) and the validation gate of post-validation where it was;
+* a collective moves later, after every compute op that ends before its last member issues it
+  (what it sends is computed before that; what waits for it starts after), and no further: its
+  last member issues it then, and later would hold the others back.
+
+Ties in time are broken the same way on every rank: computes before collectives before sends,
+then by sender and position. Only the timing of the replay decides the list, so every rank
+derives the same one from the same schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .costs import UniformCosts
+from .ir import COLLECTIVE_KINDS, Op, OpKind, Schedule
+from .simulate import message_key, replay
+from .vocab import CHANNELS, Layout, default_costs
+
+SENDS = frozenset({OpKind.SEND_F, OpKind.SEND_B})
+RECVS = frozenset({OpKind.RECV_F, OpKind.RECV_B})
+# classes of a key (time, class, ...): at one time, computes end before collectives complete
+# before sends go out
+COMPUTE, COLLECTIVE, SEND = 1, 2, 3
+
+Key = tuple[Any, ...]
+
+
+def order_messages(schedule: Schedule, costs: Any = None) -> Schedule:
+    """``schedule`` (lowered) with its RECVs and vocabulary collectives moved so that every rank
+    launches its communication in one global order. ``costs``: the replay's cost model (default:
+    uniform, with the vocabulary passes' own costs); every rank must use the same."""
+    if schedule.pp < 2 or not schedule.is_lowered:
+        return schedule
+    if costs is None:
+        costs = _ordering_costs(schedule)
+    result = replay(schedule, costs)
+    compute_end = {(event.rank, event.op): event.end for event in result.events}
+    completion = {(event.rank, event.op): event.end for event in result.collectives}
+    channel_index: dict[tuple[int, str], int] = {}
+
+    sends: dict[tuple[str, int, int, int], Key] = {}
+    fixed_keys: list[list[Key | None]] = []
+    for rank, ops in enumerate(schedule.ranks):
+        keys: list[Key | None] = []
+        last_end = 0.0
+        for position, op in enumerate(ops):
+            if op.kind in SENDS:
+                sends[message_key(op)] = (last_end, SEND, rank, position)
+                keys.append(sends[message_key(op)])
+            elif (rank, op) in compute_end:
+                last_end = compute_end[(rank, op)]
+                keys.append((last_end, COMPUTE))
+            else:
+                keys.append(None)
+        fixed_keys.append(keys)
+
+    layout = Layout.of(schedule)
+    ranks: list[list[Op]] = []
+    for rank, ops in enumerate(schedule.ranks):
+        movable: list[tuple[Key, Op]] = []
+        for op in ops:
+            if op.kind in RECVS:
+                movable.append((sends[message_key(op)], op))
+            elif op.kind in COLLECTIVE_KINDS:
+                channel = CHANNELS[op.kind]
+                index = channel_index.get((rank, channel), 0)
+                channel_index[(rank, channel)] = index + 1
+                movable.append(((completion[(rank, op)], COLLECTIVE, channel, index), op))
+        movable.sort(key=lambda item: item[0])
+        ranks.append(_merge(ops, fixed_keys[rank], movable, layout, rank))
+    return schedule.with_ranks(ranks)
+
+
+def _merge(
+    ops: list[Op], keys: list[Key | None], movable: list[tuple[Key, Op]], layout: Layout, rank: int
+) -> list[Op]:
+    """One rank's ops with its movable ops (sorted by key) put back: each as late as the order
+    allows (a receive right before the send that must follow it, or its consumer: as Megatron
+    posts it, and after the validation gate of the forwards before it), except a collective,
+    issued before the first compute that ends after it completes (its last member reaches it
+    then: issuing it later would hold every other member back)."""
+    where = {_consumed_key(op): index for index, (_, op) in enumerate(movable)}
+    ordered: list[Op] = []
+    taken = 0
+    for op, key in zip(ops, keys):
+        if op.kind in RECVS or op.kind in COLLECTIVE_KINDS:
+            continue
+        upto = taken - 1
+        if key is not None:
+            index = taken
+            while index < len(movable) and movable[index][0] < key:
+                if op.kind in SENDS or movable[index][1].kind in COLLECTIVE_KINDS:
+                    upto = index
+                index += 1
+        for needed in _consumes(op, layout, rank):
+            upto = max(upto, where.get(needed, -1))
+        ordered.extend(item for _, item in movable[taken : upto + 1])
+        taken = max(taken, upto + 1)
+        ordered.append(op)
+    ordered.extend(item for _, item in movable[taken:])
+    return ordered
+
+
+def _consumed_key(op: Op) -> tuple[Any, ...]:
+    """How a consumer names a movable op: a message by its key, a collective by kind and unit."""
+    if op.kind in RECVS:
+        return message_key(op)
+    return (op.kind, op.microbatch, op.slice)
+
+
+def _consumes(op: Op, layout: Layout, rank: int) -> list[tuple[Any, ...]]:
+    """The movable ops a fixed op waits for: a compute's input message, a collective's result."""
+    found: list[tuple[Any, ...]] = []
+    if op.kind == OpKind.F:
+        found.append(("F", op.stage, op.microbatch, op.slice))
+    elif op.kind in (OpKind.B, OpKind.BW):
+        found.append(("B", op.stage, op.microbatch, op.slice))
+    if op.is_compute or op.kind in (OpKind.S, OpKind.T):
+        needed = layout.waits_for(op, rank)
+        if needed is not None:
+            found.append((needed.kind, needed.microbatch, needed.slice))
+    return found
+
+
+def _ordering_costs(schedule: Schedule) -> Any:
+    """Uniform costs; the vocabulary passes' S and T cost their GEMMs (a compute that takes no
+    time could not be told apart from the collective it waits for)."""
+    if schedule.vocab_parallel != "none":
+        return default_costs(schedule, schedule.vocab_parallel)
+    return UniformCosts(
+        num_stages=schedule.num_stages, num_slices=schedule.slices, chunks_per_rank=schedule.vpp
+    )
