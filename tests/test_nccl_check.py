@@ -274,7 +274,7 @@ def test_attention_service_keeps_a_receive_posted() -> None:
 
 @pytest.mark.parametrize("pp", range(2, 9))
 def test_sweep_what_holds_for_every_generator(pp: int) -> None:
-    """m = p (or the least allowed) and 2p + 1, k = 1, 2 and 2p (or the least allowed): lowered
+    """m = p (or the least allowed) and, up to p = 5, 2p + 1; k = 1, 2 and 2p (or the least allowed): lowered
     into the step's message order, every schedule completes under all three rules, warmed up or
     not; with each RECV right before its consumer (``insert_p2p`` alone) in-order completion
     hangs every one, and batching adjacent sends and receives rescues only 1F1B-shaped ones."""
@@ -283,7 +283,8 @@ def test_sweep_what_holds_for_every_generator(pp: int) -> None:
         least = spec.min_slices(pp, spec.default_vpp)
         for slices in sorted({max(1, least), max(2, least), max(2 * pp, least)}):
             smallest_m = max(pp, spec.min_microbatches(pp, spec.default_vpp, slices))
-            for microbatches in sorted({smallest_m, max(smallest_m, 2 * pp + 1)}):
+            odd = [max(smallest_m, 2 * pp + 1)] if pp <= 5 else []  # the heavy sweep covers more
+            for microbatches in sorted({smallest_m, *odd}):
                 generated = generate(name, pp, microbatches, vpp=spec.default_vpp, slices=slices)
                 ordered = lower(generated)
                 for warmed in (True, False):
@@ -295,7 +296,7 @@ def test_sweep_what_holds_for_every_generator(pp: int) -> None:
                     if name in ("1f1b", "zb-h1", "seq1f1b", "slimpipe"):
                         assert check_nccl(naive, strict=True, warmed=True, batch=True) is None, name
                 checked += 1
-    assert checked >= 3 * len(SCHEDULES)
+    assert checked >= 2 * len(SCHEDULES)
 
 
 @pytest.mark.heavy
