@@ -614,7 +614,10 @@ class _StepRun:
         """Take the message of RECV ``op`` that a peer sent before it restarted, and drop it."""
         direction = "F" if op.kind == OpKind.RECV_F else "B"
         what = f"{op} (sent before a restart: dropped)"
-        self.rt.comm.recv(self._message_shape(op), self.rt.dtype, self.rt.device, op.peer, direction, what)
+        comm = self.rt.comm
+        comm.post_recv(
+            self._message_shape(op), self.rt.dtype, self.rt.device, op.peer, direction, what
+        ).wait()
 
     def _pass_gate(self) -> None:
         assert self.gate is not None

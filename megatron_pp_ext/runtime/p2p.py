@@ -222,18 +222,6 @@ class PipeComm:
 
     # ---- receives ----------------------------------------------------------------------------
 
-    def recv(
-        self,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        device: torch.device,
-        peer: int,
-        direction: str,
-        what: str,
-    ) -> Tensor:
-        """Receive a tensor from pipeline rank ``peer``; raise :class:`PeerError` on timeout."""
-        return self.post_recv(shape, dtype, device, peer, direction, what).wait()
-
     def post_recv(
         self,
         shape: Sequence[int],
