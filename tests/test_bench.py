@@ -40,12 +40,15 @@ def test_bad_flags_fail_before_launch(args: list[str], flag: str) -> None:
 
 @pytest.mark.slow
 def test_minimal_bench_json_and_loss_check() -> None:
+    """Also under --pp-emulate-nccl: our runs then launch in NCCL's order (runtime/launch.py)."""
     done = bench(
-        "--schedules", "1f1b,v-zb", "--iterations", "1", "--warmup", "0", "--microbatches", "4", "--json"
-    )
+        "--schedules", "1f1b,v-zb", "--iterations", "1", "--warmup", "0", "--microbatches", "4", "--json",
+        "--pp-emulate-nccl",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
     assert results["pp"] == 2 and results["microbatches"] == 4 and results["model_size"] == "tiny"
+    assert results["emulate_nccl"] is True
     assert results["backend"] in ("gloo", "nccl")
     assert [row["schedule"] for row in results["rows"]] == ["1f1b", "v-zb"]
     # one step of the tiny bench model (bench/job.py: 4 layers, widths 64 and 128, 32 tokens, b=2)

@@ -1,18 +1,22 @@
-"""NCCL's communicator creation rule imposed on gloo (``runtime/creation.py``, ``--pp-emulate-nccl``).
+"""NCCL's rules imposed on gloo (``--pp-emulate-nccl``): communicator creation at first use
+(``runtime/creation.py``, rule 1) and in-order completion of each rank's communication
+(``runtime/launch.py``, rule 3).
 
-On 2 gloo processes, two schedules whose first uses of their communicators come in different
-orders on different ranks (``schedule/nccl_check.py`` finds both: V-Half with vocab-2, whose rank 0
-starts on BCAST_X while rank 1 starts on BCAST_IDS; SlimPipe interleaved with k = 2p slices, whose
-rank 0 opens the backward pair to rank 1 while rank 1 waits for a forward): created lazily under
-the emulation each hangs at its first step until the deadline names the rank, the op and the
-communicator, while plain gloo runs it; with the runtime's warm-up (the default) the emulated run
-completes with the losses and gradients of the unpipelined model, as plain gloo does.
+On 2 gloo processes: V-Half with vocab-2 (rank 0 starts on BCAST_IDS, rank 1 on BCAST_X),
+SlimPipe interleaved with k = 2p slices (rank 0 opens the backward pair to rank 1 while rank 1
+waits for a forward) and a hand-written 1F1B whose ranks receive in crossed orders. Run in the
+order each rank would issue without the step's message order (every RECV right before its
+consumer), created lazily, each hangs under the emulation until the deadline names the rank, the
+op and what it waited for, while plain gloo runs it; warmed up, the naive order still hangs
+exactly where ``schedule/nccl_check.py`` says rule 3 hangs it; in the runtime's own order every
+case completes with the losses and gradients of the unpipelined model, as on plain gloo.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import pytest
 import torch
@@ -33,18 +37,27 @@ pytestmark = pytest.mark.slow
 MICROBATCHES = 3
 SEQ = 32  # 4 slices of 8 tokens
 # (schedule, slices, vocabulary variant)
+# (schedule, slices, vocabulary variant); "crossed": rank 0 sends F0:1 before it takes B0:0 while
+# rank 1 sends B1:0 before it takes F1:1 (fine on gloo, a deadlock in launch order)
 SCHEDULES = {
     "v-half-vocab-2": ("v-half", 1, "vocab-2"),
     "slimpipe-interleaved-k4": ("slimpipe-interleaved", 4, "none"),
+    "crossed": (
+        "pp: 2\nmicrobatches: 2\nrank 0: F0:0 F0:1 BW0:0 BW0:1\nrank 1: F1:0 BW1:0 F1:1 BW1:1",
+        1,
+        "none",
+    ),
 }
-# (emulate NCCL's creation rule, warm every communicator up first, run the naive order: each
-# RECV right before its consumer, the collectives where the vocabulary pass put them, as lowering
-# left them before the step's message order): the bad mode last, since a hung case leaves its
-# (then unused) groups behind
+CROSSED_MICROBATCHES = 2
+# (emulate NCCL's rules, warm every communicator up first, run the naive order: each RECV right
+# before its consumer, the collectives where the vocabulary pass put them, as lowering left them
+# before the step's message order): the bad modes last, since a hung case leaves its (then
+# unused) groups behind
 MODES = {
     "gloo-lazy": (False, False, True),
     "emulated-warm": (True, True, False),
     "emulated-lazy-ordered": (True, False, False),
+    "emulated-warm-naive": (True, True, True),
     "emulated-lazy": (True, False, True),
 }
 DEADLINE = 5.0
@@ -54,22 +67,36 @@ def _model():
     return dataclasses.replace(tiny_model(num_layers=4), seq_length=SEQ)
 
 
+def _schedule(name: str, world: int):
+    """The case's schedule as the runtime receives it (the generators' output, unlowered)."""
+    from megatron_pp_ext.schedule.generators import generate
+    from megatron_pp_ext.schedule.ir import Schedule
+    from megatron_pp_ext.schedule.vocab import add_vocab_passes
+
+    schedule_name, slices, variant = SCHEDULES[name]
+    if schedule_name.startswith("pp:"):
+        return Schedule.from_text(schedule_name)
+    schedule = generate(schedule_name, world, MICROBATCHES, slices=slices)
+    return add_vocab_passes(schedule, variant) if variant != "none" else schedule
+
+
 def emulation_worker(rank: int, world: int) -> dict:
     from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
     from megatron_pp_ext.runtime import PipeComm, PipelineRuntime
     from megatron_pp_ext.runtime.reference import reference_step
     from megatron_pp_ext.runtime.vocab_parallel import VocabGroups
-    from megatron_pp_ext.schedule.generators import generate
     from megatron_pp_ext.schedule.lowering import insert_p2p
-    from megatron_pp_ext.schedule.vocab import add_vocab_passes
 
     init_parallel_state(world)
     model_cfg = _model()
     torch.manual_seed(1234)
     reference = build_reference(model_cfg)
     batches = make_batches(model_cfg, MICROBATCHES, seed=3)
-    ref_losses = loss_values(reference_step(reference, forward_step, iter(batches), MICROBATCHES))
-    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+    expected = {}  # microbatches -> (losses, gradients) of the unpipelined model
+    for count in (MICROBATCHES, CROSSED_MICROBATCHES):
+        reference.zero_grad(set_to_none=True)
+        losses = loss_values(reference_step(reference, forward_step, iter(batches), count))
+        expected[count] = (losses, {n: p.grad.detach().clone() for n, p in reference.named_parameters()})
     report: dict[str, dict] = {}
     # every case's groups first (new_group waits for all ranks, a hung case does not)
     cases = [
@@ -79,13 +106,11 @@ def emulation_worker(rank: int, world: int) -> dict:
     ]
     for mode, name, comm, groups in cases:
         warm_up = MODES[mode][1]
-        schedule_name, slices, variant = SCHEDULES[name]
+        _, slices, variant = SCHEDULES[name]
         entry: dict = {}
         report[f"{name}/{mode}"] = entry
         try:
-            schedule = generate(schedule_name, world, MICROBATCHES, slices=slices)
-            if variant != "none":
-                schedule = add_vocab_passes(schedule, variant)
+            schedule = _schedule(name, world)
             if MODES[mode][2]:
                 schedule = insert_p2p(schedule)  # lowered already: the runtime keeps this order
             chunks, names_of = build_chunks_from(
@@ -101,7 +126,9 @@ def emulation_worker(rank: int, world: int) -> dict:
                 chunks, comm, shape, model_cfg.torch_dtype, vocab=setup, warm_up=warm_up
             )
             result = runtime.step(schedule, forward_step, [iter(batches) for _ in chunks])
+            entry["launched"] = comm.launch.launched
             layers = [p for c in chunks for p in c.parameters() if id(p) in names_of]
+            ref_losses, ref_grads = expected[schedule.microbatches]
             entry["grad_error"] = max(rel_error(p.grad, ref_grads[names_of[id(p)]]) for p in layers)
             if result.is_loss_rank:
                 losses = loss_values(result.losses)
@@ -136,9 +163,46 @@ def test_runs_exactly_on_plain_gloo_and_warmed_under_emulation(name: str, mode: 
     check(loss_error, limit, "loss")
     if mode == "emulated-warm":
         assert all(r["warmed"] >= 2 for r in reports), reports  # pairs (and vocabulary channels)
+    # under emulation every send and receive went through the launch queue (launch.py)
+    assert all((r["launched"] > 0) == mode.startswith("emulated") for r in reports), reports
+
+
+def _nccl_verdict(name: str) -> str | None:
+    from megatron_pp_ext.schedule.lowering import insert_p2p
+    from megatron_pp_ext.schedule.nccl_check import check_nccl
+
+    verdict = check_nccl(insert_p2p(_schedule(name, 2)), strict=True, warmed=True)
+    return None if verdict is None else str(verdict)
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
+def test_in_order_completion_hangs_the_naive_order_where_the_check_says(name: str) -> None:
+    """Warmed up (rule 1 met), the naive order under the launch queue: it completes exactly where
+    the schedule core's strict check says it completes, and otherwise every rank stops at the
+    deadline naming its op, the peer and the operation it was queued behind (the crossed case
+    runs on plain gloo in test_runs_exactly_on_plain_gloo_and_warmed_under_emulation)."""
+    verdict = _nccl_verdict(name)
+    reports = [r[f"{name}/emulated-warm-naive"] for r in _launch()]
+    if name == "crossed":
+        assert verdict is not None and "launch order" in verdict, verdict
+    if verdict is None:
+        assert not any("error" in r for r in reports), reports
+        assert all(r["launched"] > 0 for r in reports), reports
+        return
+    for rank, r in enumerate(reports):
+        assert "error" in r, f"rank {rank} completed a step that the check says hangs: {verdict}"
+        message = r["error"]
+        assert re.match(f"(PeerError|PipelineError): rank {rank}: ", message), message
+        assert "no completion after" in message, message
+    # at least one rank names the operation it was queued behind (rule 3's signature)
+    messages = [r["error"] for r in reports]
+    assert any("is launched behind" in m and "launch order" in m for m in messages), messages
+    if name == "crossed":
+        assert "RECV_B0:0<1 from rank 1" in reports[0]["error"], reports[0]["error"]
+        assert "launched behind SEND_F0:1>1" in reports[0]["error"], reports[0]["error"]
+
+
+@pytest.mark.parametrize("name", [name for name in SCHEDULES if name != "crossed"])
 def test_lazy_creation_hangs_under_emulation_until_the_deadline_names_it(name: str) -> None:
     reports = [r[f"{name}/emulated-lazy"] for r in _launch()]
     for rank, r in enumerate(reports):
@@ -188,14 +252,16 @@ def test_train_under_emulation_gives_the_same_losses(flags: str) -> None:
     plain = _train(*flags.split())
     emulated = _train(*flags.split(), "--pp-emulate-nccl")
     assert [(r["loss"], r["grad_norm"]) for r in emulated] == [(r["loss"], r["grad_norm"]) for r in plain]
-    assert "NCCL's creation rule emulated" in emulated[0]["out"] and "emulated" not in plain[0]["out"]
+    assert "NCCL's rules emulated" in emulated[0]["out"] and "emulated" not in plain[0]["out"]
 
 
 @pytest.mark.heavy
 def test_the_exactness_matrix_passes_under_emulation() -> None:
-    """The runtime's exactness matrix (schedules x slices x offload x vocabulary x TP/SP/CP/DP x
-    redistribution, p = 2..4) with every PipeComm imposing NCCL's creation rule
-    (MEGATRON_PP_EXT_EMULATE_NCCL=1): the same checks pass."""
+    """The runtime's exactness matrix (schedules x slices x offload x vocabulary x TP/SP/CP/DP,
+    p = 2..4) with every PipeComm imposing NCCL's creation and launch-order rules
+    (MEGATRON_PP_EXT_EMULATE_NCCL=1): the same checks pass. Attention redistribution is left
+    out: it hangs under in-order completion, and train and the hook refuse it there
+    (docs/nccl.md, test_redistribution.py)."""
     import os
     import subprocess
     import sys
@@ -210,11 +276,22 @@ def test_the_exactness_matrix_passes_under_emulation() -> None:
         "tests/test_context_parallel.py",
         "tests/test_vocab_parallel_exact.py",
         "tests/test_offload_runtime.py",
-        "tests/test_redistribution_runtime.py",
         "tests/test_megatron_hook.py",
     ]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not heavy", *files],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not heavy",
+            "-k",
+            "not redistribution",
+            *files,
+        ],
         env={**os.environ, EMULATE_NCCL_VARIABLE: "1"},
         cwd=Path(__file__).parents[1],
         capture_output=True,

@@ -88,21 +88,21 @@ TRAIN_ARGS = [
 
 class Fault:
     """Megatron's forward step, except that pipeline rank ``culprit`` dies or stops answering at
-    its second forward of iteration ``FAULT_ITERATION`` (mid-step); ``started`` records when this
-    rank began that iteration."""
+    its second forward of iteration ``FAULT_ITERATION`` (mid-step); ``started`` records this
+    rank's last forward before it failed (a peer of a rank that died right after a send may never
+    get that send, and so never begin the iteration)."""
 
     def __init__(self, rank: int, culprit: int, mode: str, microbatches: int) -> None:
         self.rank, self.culprit, self.mode = rank, culprit, mode
         self.first = (FAULT_ITERATION - 1) * microbatches + 1
         self.calls = 0
-        self.started: float | None = None
+        self.started = time.monotonic()
 
     def __call__(self, data_iterator, model):
         from megatron_pp_ext.megatron.steps import forward_step
 
         self.calls += 1
-        if self.calls == self.first:
-            self.started = time.monotonic()
+        self.started = time.monotonic()
         if self.rank == self.culprit and self.calls == self.first + 1:
             if self.mode == "die":
                 os._exit(3)

@@ -60,7 +60,9 @@ class Context:
         if self.comm is not None:
             self.comm.close()
         timeout = datetime.timedelta(seconds=self.settings.timeout)
-        self.comm = PipeComm(timeout_s=self.settings.timeout)
+        # None: the environment variable decides (as in the tests), else the flag
+        emulate = self.settings.emulate_nccl or None
+        self.comm = PipeComm(timeout_s=self.settings.timeout, emulate_nccl=emulate)
         self.group = dist.new_group(timeout=timeout)
 
 
@@ -280,6 +282,7 @@ def summary(settings: BenchSettings, device: torch.device, rows: list[dict[str, 
         "micro_batch_size": settings.micro_batch_size,
         "device": device.type,
         "backend": dist.get_backend(),
+        "emulate_nccl": settings.emulate_nccl,
         "threads_per_rank": torch.get_num_threads(),
         "torch": torch.__version__,
         "rows": rows,

@@ -32,6 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny", help="default tiny")
     parser.add_argument("--seed", type=int, default=1234, help="weights and data seed")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck transfer fails")
+    parser.add_argument(
+        "--pp-emulate-nccl",
+        action="store_true",
+        help="run our schedules under NCCL's rules imposed on gloo (as train's flag; slower)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--save", help="also write the JSON results to this file")
     parser.set_defaults(run=run)
@@ -89,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             timeout=args.timeout,
             quiet=args.json,
+            emulate_nccl=args.pp_emulate_nccl,
         )
         launch.run(worker, args.pp, settings)
         with open(output) as handle_in:

@@ -1073,7 +1073,7 @@ def _report(
                 moved += f", handed away {away:.1f}"
             if item["communicators"] is not None:
                 count, seconds, emulated = item["communicators"]
-                rule = ", NCCL's creation rule emulated" if emulated else ""
+                rule = ", NCCL's rules emulated" if emulated else ""
                 moved += f"  communicators {count} (warm-up {seconds * 1e3:.0f} ms{rule})"
             print(
                 f"  rank {item['rank']}: step {item['step_time']:.3f} s  bubble {bubble}  "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -76,7 +77,7 @@ class PipelineOptions:
     attn_redistribution: float = 0.0  # SlimPipe's cap on the attention a heavy slice hands away
     vocab_parallel: str = "none"  # none, vocab-1 or vocab-2 (docs/vocab_parallel.md)
     calculate_per_token_loss: bool = False  # Megatron's flag: vocabulary parallelism with slices needs it
-    emulate_nccl: bool = False  # impose NCCL's communicator creation rule on gloo (runtime/creation.py)
+    emulate_nccl: bool = False  # NCCL's creation and launch-order rules on gloo (creation.py, launch.py)
 
     @classmethod
     def from_args(cls, args: Any) -> PipelineOptions:
@@ -164,6 +165,14 @@ class PipelineOptions:
                 f"add {slices} K (K >= 2) with a sliced schedule such as slimpipe, or set it to 0",
                 REDISTRIBUTION,
             )
+        if cap and launch_order_applies(self.emulate_nccl):
+            why = "--pp-emulate-nccl" if self.emulate_nccl else "CUDA_DEVICE_MAX_CONNECTIONS=1"
+            raise OptionError(
+                f"would hang under {why}: each partner's service thread keeps a receive posted, and "
+                "a GPU that completes its communication in launch order stops every later transfer "
+                f"behind it (docs/nccl.md); set it to 0, or run without {why}",
+                REDISTRIBUTION,
+            )
 
     def offload_policy(self, ratio: float | None = None) -> OffloadPolicy:
         try:
@@ -191,6 +200,13 @@ class PipelineOptions:
         except PartitionError as error:
             message = re.sub(r"(?<![\w-])--slices\b", flags.get("--slices", "--slices"), str(error))
             raise OptionError(message, flags.get(error.flag, error.flag)) from None
+
+
+def launch_order_applies(emulate_nccl: bool) -> bool:
+    """Whether communication completes in launch order across communicators (NCCL's rule 3):
+    on a GPU with one hardware connection (``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron
+    asks for with TP/SP), or on gloo under ``--pp-emulate-nccl`` (``runtime/launch.py``)."""
+    return emulate_nccl or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
 
 
 def check_under_nccl(schedule: Schedule) -> None:
@@ -258,9 +274,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--pp-emulate-nccl",
         action="store_true",
-        help="on gloo, create each communicator at its first use and block until every member "
-        "arrives, as NCCL does, so an order that would hang under NCCL hangs here too (until "
-        "--pp-p2p-timeout names it); the runtime warms every communicator up front, so none should",
+        help="on gloo, impose NCCL's rules: each communicator is created at its first use, blocking "
+        "until every member arrives, and each rank's communication completes in launch order, so "
+        "an order that would hang under NCCL hangs here too (until --pp-p2p-timeout names it)",
     )
     group.add_argument(
         REDISTRIBUTION,

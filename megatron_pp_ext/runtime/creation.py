@@ -17,7 +17,8 @@ carries messages (``F-up`` from the lower rank, as Megatron's first ``send_forwa
 ``new_group``: a first use that was not warmed blocks until every member reaches its own first
 use of the same communicator (a handshake on the pair, a monitored barrier on a group), so a bad
 order hangs on CPU where NCCL would, until the deadline names the rank, the op, the communicator
-and the peers it waited for.
+and the peers it waited for. NCCL's other emulated rule, in-order completion, is
+``launch.py``'s.
 """
 
 from __future__ import annotations

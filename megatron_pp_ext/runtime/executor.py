@@ -181,6 +181,8 @@ class PipelineRuntime:
         self.warm_up = warm_up
         self._warmed: set[tuple[int, int]] = set()  # (id of a prepared schedule, attention links)
         self.vocab = vocab
+        if vocab is not None:
+            vocab.vp.launch = comm.launch  # its step collectives queue with the p2p (launch.py)
         self.comm = comm
         self.rank = comm.rank
         self.shape_of = _shape_fn(tensor_shape)

@@ -7,8 +7,10 @@ needed. Every message goes on one of four process groups, one per channel kind:
 exchanges messages one way only, in the order the schedule validator checks, so NCCL (which
 matches p2p messages in order and serialises a pair's traffic on one stream) cannot cross two
 messages. Gloo (CPU) behaves the same way. What NCCL's rules still allow to hang, and what the
-runtime does about it, is in docs/nccl.md: the schedule core checks it (``nccl_check.py``);
-in-order completion across communicators (CUDA_DEVICE_MAX_CONNECTIONS=1) is not met yet.
+runtime does about it, is in docs/nccl.md: the schedule core checks it (``nccl_check.py``),
+lowering orders each step's messages so that it cannot (``message_order.py``), and every
+send and receive goes through ``launch`` (``launch.py``), which under ``emulate_nccl``
+completes this rank's communication in launch order, as a GPU does.
 
 A receive that does not complete within ``timeout_s`` — the peer died, hangs or never sends —
 raises :class:`PeerError` naming this rank, the op and the peer, instead of hanging.
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .creation import Creation
+from .launch import Launcher
 from .peer_error import PeerError
 
 EMULATE_NCCL_VARIABLE = "MEGATRON_PP_EXT_EMULATE_NCCL"
@@ -119,6 +122,8 @@ class PipeComm:
         if emulate_nccl is None:  # as --pp-emulate-nccl, for a whole test run: the variable set to 1
             emulate_nccl = os.environ.get(EMULATE_NCCL_VARIABLE) == "1"
         self.creation = Creation(self, emulate_nccl)
+        # NCCL's in-order completion (rule 3), emulated on gloo under --pp-emulate-nccl
+        self.launch = Launcher(self.rank, self.timeout_s, in_order=bool(emulate_nccl) and self._gloo)
 
     @property
     def device(self) -> torch.device:
@@ -154,7 +159,7 @@ class PipeComm:
         group = self.channel_group(direction, self.rank, peer)
         self.creation.use(self.creation.pair(direction, self.rank, peer), what)
         try:
-            work = dist.isend(buffer, dst=self.ranks[peer], group=group)
+            work = self.launch(lambda: dist.isend(buffer, dst=self.ranks[peer], group=group), what)
         except RuntimeError as error:
             raise PeerError(f"rank {self.rank}: {what} to rank {peer} failed: {error}") from error
         pending = _PendingSend(work, buffer, what, peer, on_done)
@@ -215,6 +220,7 @@ class PipeComm:
         for waiter in self._waiters.values():
             waiter.close()
         self._waiters = {}
+        self.launch.close()
 
     def abandon(self) -> None:
         """Forget pending sends (after a failure)."""
@@ -238,7 +244,7 @@ class PipeComm:
         group = self.channel_group(direction, peer, self.rank)
         self.creation.use(self.creation.pair(direction, peer, self.rank), what)
         try:
-            work = dist.irecv(buffer, src=self.ranks[peer], group=group)
+            work = self.launch(lambda: dist.irecv(buffer, src=self.ranks[peer], group=group), what)
         except RuntimeError as error:
             raise PeerError(f"rank {self.rank}: {what} from rank {peer} failed: {error}") from error
         return PostedRecv(self, work, buffer, what, peer)

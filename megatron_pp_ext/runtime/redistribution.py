@@ -80,7 +80,9 @@ class _Channel:
 
     def _start(self, op: Any, buffer: Tensor, what: str) -> tuple[Any, Tensor]:
         try:
-            return op(buffer, self.comm.ranks[self.peer], group=self.group), buffer
+            peer = self.comm.ranks[self.peer]
+            name = f"{what} rank {self.peer}"  # "attention request from rank 1"
+            return self.comm.launch(lambda: op(buffer, peer, group=self.group), name), buffer
         except RuntimeError as error:
             raise PeerError(f"rank {self.comm.rank}: {what} rank {self.peer} failed: {error}") from error
 

@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..schedule.ir import OpKind
+from .launch import Launcher, Slot, direct
 from .weight_grad import accumulate_grad
 
 VARIANTS = ("vocab-1", "vocab-2")
@@ -399,6 +400,9 @@ class VocabParallel(torch.nn.Module):
             param.partition_dim = 0
             param.partition_stride = 1
         self._worker: ThreadPoolExecutor | None = None  # vocab-2's REDUCE_S chain, in issue order
+        # where the step's collectives are launched (the runtime's PipeComm.launch: in launch
+        # order under --pp-emulate-nccl, see launch.py); at once by default
+        self.launch: Launcher = direct()
         if init_method is not None:
             self.reset_parameters(init_method)
 
@@ -589,12 +593,13 @@ class VocabParallel(torch.nn.Module):
             buffer = _pack([p.to(device=device, dtype=d) for p, (_, d) in zip(parts, specs)])
         else:
             buffer = torch.empty(_packed_bytes(specs), dtype=torch.uint8, device=device)
-        work = dist.broadcast(buffer, src=_root(groups.x, self.last), group=groups.x, async_op=async_op)
+        root = _root(groups.x, self.last)
+        work = self.launch(lambda: dist.broadcast(buffer, src=root, group=groups.x, async_op=True), "BCAST_X")
 
         def finish() -> tuple[Tensor, Tensor, Tensor]:
             labels_, hidden_, grad_ = _unpack(buffer, specs)
             if self.sequence_parallel:
-                hidden_ = _gather_sequence(hidden_, groups.tp)
+                hidden_ = _gather_sequence(hidden_, groups.tp, self.launch)
             return hidden_, labels_, grad_
 
         return _maybe_async(work, finish, async_op)
@@ -653,7 +658,10 @@ class VocabParallel(torch.nn.Module):
         stats = torch.stack([state.local_max, state.local_sum, state.target])  # [3, N]
         size = dist.get_world_size(group)
         flat = torch.empty((size * 3, stats.shape[1]), dtype=stats.dtype, device=stats.device)
-        work = dist.all_gather_into_tensor(flat, stats, group=group, async_op=True)
+        work = self.launch(
+            lambda: dist.all_gather_into_tensor(flat, stats, group=group, async_op=True),
+            "REDUCE_S all-gather",
+        )
 
         def combine() -> None:
             work.wait()
@@ -678,13 +686,42 @@ class VocabParallel(torch.nn.Module):
                     initializer=torch.cuda.set_device if device.type == "cuda" else None,
                     initargs=(device,) if device.type == "cuda" else (),
                 )
-            future = self._worker.submit(self._reduce_input_grad, state, combine)
+            # the worker's launches take their places in this rank's order now (launch.py)
+            slots = [self.launch.reserve(what) for what in self._worker_launches()]
+            future = self._worker.submit(self._reduce_input_grad, state, combine, slots)
             pending = Pending(future, future.result)
         state._pending = pending
         return pending if async_op else pending.wait()
 
-    def _reduce_input_grad(self, state: OutputState, combine: Callable[[], None]) -> Tensor | None:
-        """vocab-2's REDUCE_S after the statistics (on the worker: its groups are its own)."""
+    def _worker_launches(self) -> list[str]:
+        """What vocab-2's worker launches for one REDUCE_S, in its order."""
+        groups = self.groups
+        launches = ["REDUCE_S TP reduce-scatter"] if self.sequence_parallel else []
+        launches.append("REDUCE_S reduce")
+        if groups.pp_rank == self.last and not self.sequence_parallel and groups.tp_out is not None:
+            launches.append("REDUCE_S TP all-reduce")  # Megatron's output layer all-reduces dgrad
+        return launches
+
+    def _reduce_input_grad(
+        self, state: OutputState, combine: Callable[[], None], slots: list[Slot]
+    ) -> Tensor | None:
+        """vocab-2's REDUCE_S after the statistics (on the worker: its groups are its own; its
+        launches fill ``slots``, reserved in the main thread's order)."""
+        places = iter(slots)
+
+        def launch(start: Callable[[], Any], what: str) -> Any:
+            return next(places).fill(start)
+
+        try:
+            return self._input_grad(state, combine, launch)
+        except BaseException as error:
+            for slot in places:
+                slot.cancel(error)
+            raise
+
+    def _input_grad(
+        self, state: OutputState, combine: Callable[[], None], launch: Callable[..., Any]
+    ) -> Tensor | None:
         combine()
         assert state.grad_parts is not None
         unscaled, target_rows = state.grad_parts
@@ -696,12 +733,14 @@ class VocabParallel(torch.nn.Module):
             batch, seq = state.batch_shape
             partial = partial.reshape(seq, batch, -1)
             if self.sequence_parallel:
-                partial = _reduce_scatter_sequence(partial, groups.tp_out)
-            dist.reduce(partial, dst=_root(groups.out, self.last), group=groups.out)
+                partial = _reduce_scatter_sequence(partial, groups.tp_out, launch)
+            root = _root(groups.out, self.last)
+            launch(lambda: dist.reduce(partial, dst=root, group=groups.out, async_op=True), "").wait()
             if groups.pp_rank != self.last:
                 return None
             if not self.sequence_parallel and groups.tp_out is not None:
-                dist.all_reduce(partial, group=groups.tp_out)  # Megatron's output layer all-reduces dgrad
+                # Megatron's output layer all-reduces dgrad
+                launch(lambda: dist.all_reduce(partial, group=groups.tp_out, async_op=True), "").wait()
             if state.loss_grad is None:
                 raise ValueError("vocab-2: the last pipeline rank needs the loss gradient in S (s_forward)")
             scale = state.loss_grad.reshape(seq, batch)
@@ -772,14 +811,18 @@ class VocabParallel(torch.nn.Module):
         groups = self.groups
         buffer = partial.contiguous()
         if self.sequence_parallel:
-            buffer = _reduce_scatter_sequence(buffer, groups.tp)
-        work = dist.reduce(buffer, dst=_root(groups.out, self.last), group=groups.out, async_op=async_op)
+            buffer = _reduce_scatter_sequence(buffer, groups.tp, self.launch)
+        root = _root(groups.out, self.last)
+        work = self.launch(lambda: dist.reduce(buffer, dst=root, group=groups.out, async_op=True), "REDUCE_T")
 
         def finish() -> Tensor | None:
             if groups.pp_rank != self.last:
                 return None
             if not self.sequence_parallel and groups.tp is not None:
-                dist.all_reduce(buffer, group=groups.tp)  # Megatron's output layer all-reduces dgrad
+                # Megatron's output layer all-reduces dgrad
+                self.launch.run(
+                    lambda: dist.all_reduce(buffer, group=groups.tp, async_op=True), "REDUCE_T TP"
+                )
             return buffer
 
         return _maybe_async(work, finish, async_op)
@@ -797,7 +840,10 @@ class VocabParallel(torch.nn.Module):
             buffer = ids.to(device=device, dtype=torch.int64).contiguous().clone()
         else:
             buffer = torch.empty(tuple(batch_shape), dtype=torch.int64, device=device)
-        work = dist.broadcast(buffer, src=_root(groups.emb, 0), group=groups.emb, async_op=async_op)
+        root = _root(groups.emb, 0)
+        work = self.launch(
+            lambda: dist.broadcast(buffer, src=root, group=groups.emb, async_op=True), "BCAST_IDS"
+        )
         return _maybe_async(work, lambda: buffer, async_op)
 
     def ids_from_tp_rank_0(self, ids: Tensor | None, batch_shape: Sequence[int]) -> Tensor:
@@ -834,14 +880,19 @@ class VocabParallel(torch.nn.Module):
         groups = self.groups
         buffer = partial.contiguous()
         if self.scatter_embeddings:
-            buffer = _reduce_scatter_sequence(buffer, groups.tp)
-        work = dist.reduce(buffer, dst=_root(groups.emb, 0), group=groups.emb, async_op=async_op)
+            buffer = _reduce_scatter_sequence(buffer, groups.tp, self.launch)
+        root = _root(groups.emb, 0)
+        work = self.launch(
+            lambda: dist.reduce(buffer, dst=root, group=groups.emb, async_op=True), "REDUCE_EMB"
+        )
 
         def finish() -> Tensor | None:
             if groups.pp_rank != 0:
                 return None
             if not self.scatter_embeddings and groups.tp is not None:
-                dist.all_reduce(buffer, group=groups.tp)
+                self.launch.run(
+                    lambda: dist.all_reduce(buffer, group=groups.tp, async_op=True), "REDUCE_EMB TP"
+                )
             return buffer
 
         return _maybe_async(work, finish, async_op)
@@ -861,12 +912,15 @@ class VocabParallel(torch.nn.Module):
             buffer = grad.detach().to(device=device, dtype=dtype).contiguous().clone()
         else:
             buffer = torch.empty(shape, dtype=dtype, device=device)
-        work = dist.broadcast(buffer, src=_root(groups.emb, 0), group=groups.emb, async_op=async_op)
+        root = _root(groups.emb, 0)
+        work = self.launch(
+            lambda: dist.broadcast(buffer, src=root, group=groups.emb, async_op=True), "BCAST_DEMB"
+        )
 
         def finish() -> Tensor:
             if not self.scatter_embeddings:
                 return buffer
-            return _gather_sequence(buffer, groups.tp).transpose(0, 1)
+            return _gather_sequence(buffer, groups.tp, self.launch).transpose(0, 1)
 
         return _maybe_async(work, finish, async_op)
 
@@ -912,19 +966,26 @@ class VocabParallel(torch.nn.Module):
 # ---- collectives and packing ------------------------------------------------------------------
 
 
-def _gather_sequence(x: Tensor, group: Any) -> Tensor:
+def _gather_sequence(x: Tensor, group: Any, launch: Callable[..., Any]) -> Tensor:
+    """All-gather along the sequence over TP (``launch``: a :class:`Launcher`, or a helper's)."""
     size = dist.get_world_size(group)
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    share = x.contiguous()
+    launch(
+        lambda: dist.all_gather_into_tensor(out, share, group=group, async_op=True), "TP all-gather"
+    ).wait()
     return out
 
 
-def _reduce_scatter_sequence(x: Tensor, group: Any) -> Tensor:
+def _reduce_scatter_sequence(x: Tensor, group: Any, launch: Callable[..., Any]) -> Tensor:
     size = dist.get_world_size(group)
     if x.shape[0] % size:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by the {size} TP ranks")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    whole = x.contiguous()
+    launch(
+        lambda: dist.reduce_scatter_tensor(out, whole, group=group, async_op=True), "TP reduce-scatter"
+    ).wait()
     return out
 
 

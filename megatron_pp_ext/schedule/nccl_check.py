@@ -39,8 +39,9 @@ waits for. How each op is issued:
 
 Left out: collectives outside the pipeline (tensor, context and data parallel groups: the same
 on every replica, so they cannot order one pipeline's ranks differently), the post-validation
-all-reduce and chain (between steps), and how exactly a helper thread's launches interleave with
-the main thread's (helpers are taken to react at once).
+all-reduce and chain (between steps). A helper thread is taken to launch the moment it may: the
+runtime makes that so, the main thread reserving the helper's places in its launch order
+(``runtime/launch.py``, ``Launcher.reserve``).
 """
 
 from __future__ import annotations
