@@ -7,10 +7,16 @@
 # Run:    docker run --gpus all --ipc=host -it megatron-pp-ext megatron-pp-ext train --pp-schedule zb-h1
 # SLURM:  enroot import -o megatron-pp-ext.sqsh dockerd://megatron-pp-ext
 #         sbatch scripts/slurm/llama2-70b-slimpipe-128k.sbatch        (pyxis: CONTAINER_IMAGE=megatron-pp-ext.sqsh)
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.03-py3
+# The NGC release Megatron-LM core_v0.16.1 builds its own images on (its docker/.ngc_version.dev):
+# the PyTorch, Transformer Engine and CUDA that megatron-core 0.16.1 is developed against.
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
 FROM ${BASE_IMAGE}
 
+# NGC pins its Python environment through PIP_CONSTRAINT; megatron-core and Megatron-LM's training
+# packages are installed from source on top, so the constraint is lifted as Megatron-LM's own
+# images do (docker/Dockerfile.ci.dev)
 ENV PIP_NO_CACHE_DIR=1 \
+    PIP_CONSTRAINT="" \
     MEGATRON_LM=/opt/Megatron-LM
 WORKDIR /opt/megatron_pp_ext
 COPY setup.py pyproject.toml README.md ./

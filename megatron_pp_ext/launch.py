@@ -37,10 +37,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class LaunchError(ValueError):
+    """More ranks on a node than it has GPUs: NCCL refuses two ranks on one device."""
+
+
+def check_gpus(ranks_here: int, gpus: int, how: str = "") -> None:
+    """NCCL needs a GPU of its own per rank ("Duplicate GPU detected" otherwise, from inside
+    NCCL at the first collective): refuse, in one line, more ranks on this node than GPUs."""
+    if gpus and ranks_here > gpus:
+        raise LaunchError(
+            f"{ranks_here} ranks on this node{how} but it has {gpus} GPU{'s' * (gpus > 1)}: NCCL needs "
+            f"one GPU per rank; start at most {gpus} here (torchrun --nproc-per-node {gpus}, srun "
+            f"--ntasks-per-node {gpus}) and the rest on other nodes, or shrink the layout"
+        )
+
+
 def init_distributed(rank: int, world_size: int, local_rank: int, timeout_s: float) -> torch.device:
     """Initialise torch.distributed: NCCL on a GPU per process when there are GPUs, else gloo."""
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        check_gpus(max(local_ranks, local_rank + 1), count, f" (rank {rank}, local rank {local_rank})")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
@@ -78,6 +96,8 @@ def run(worker: Callable[..., Any], world_size: int, *args: Any) -> None:
             )
         worker(rank, world, local_rank, *args)
         return
+    if torch.cuda.is_available():
+        check_gpus(world_size, torch.cuda.device_count())
     mp.start_processes(
         _entry, args=(world_size, free_port(), worker, args), nprocs=world_size, start_method="spawn"
     )

@@ -40,7 +40,7 @@ def test_bad_flags_fail_before_launch(args: list[str], flag: str) -> None:
 
 @pytest.mark.slow
 def test_minimal_bench_json_and_loss_check() -> None:
-    """Also under --pp-emulate-nccl: our runs then launch in NCCL's order (runtime/launch.py)."""
+    """Also under --pp-emulate-nccl: our runs then launch in NCCL's order (runtime/launch_order.py)."""
     done = bench(
         "--schedules", "1f1b,v-zb", "--iterations", "1", "--warmup", "0", "--microbatches", "4", "--json",
         "--pp-emulate-nccl",

@@ -1,6 +1,6 @@
 """NCCL's rules imposed on gloo (``--pp-emulate-nccl``): communicator creation at first use
 (``runtime/creation.py``, rule 1) and in-order completion of each rank's communication
-(``runtime/launch.py``, rule 3).
+(``runtime/launch_order.py``, rule 3).
 
 On 2 gloo processes: V-Half with vocab-2 (rank 0 starts on BCAST_IDS, rank 1 on BCAST_X),
 SlimPipe interleaved with k = 2p slices (rank 0 opens the backward pair to rank 1 while rank 1
@@ -163,7 +163,7 @@ def test_runs_exactly_on_plain_gloo_and_warmed_under_emulation(name: str, mode: 
     check(loss_error, limit, "loss")
     if mode == "emulated-warm":
         assert all(r["warmed"] >= 2 for r in reports), reports  # pairs (and vocabulary channels)
-    # under emulation every send and receive went through the launch queue (launch.py)
+    # under emulation every send and receive went through the launch queue (launch_order.py)
     assert all((r["launched"] > 0) == mode.startswith("emulated") for r in reports), reports
 
 

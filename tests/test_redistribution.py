@@ -170,7 +170,7 @@ def test_refused_where_communication_completes_in_launch_order(monkeypatch) -> N
     """The partner's service thread keeps a receive posted from the start of the step; under
     in-order completion (--pp-emulate-nccl, or a GPU with CUDA_DEVICE_MAX_CONNECTIONS=1) every
     later transfer of that rank waits behind it (test_nccl_check's
-    test_attention_service_keeps_a_receive_posted; runtime/launch.py hangs it on gloo): refused
+    test_attention_service_keeps_a_receive_posted; runtime/launch_order.py hangs it on gloo): refused
     before anything starts, in one line naming the flag and why."""
     from megatron_pp_ext.megatron.hook import OptionError, PipelineOptions
 

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -368,6 +369,30 @@ def test_dockerfile_builds_with_the_setup_script() -> None:
     assert "/opt/Megatron-LM" in run_lines  # where launch.sh's MEGATRON_LM points by default
     launch = (SLURM / "launch.sh").read_text()
     assert "MEGATRON_LM=${MEGATRON_LM:-/opt/Megatron-LM}" in launch
+    assert re.search(r'^\s*PIP_CONSTRAINT=""', dockerfile, re.M)  # NGC's pins lifted, as Megatron-LM's images
+
+
+def test_dockerfile_base_is_the_ngc_release_megatron_lm_builds_on() -> None:
+    """Megatron-LM at the pinned tag names its NGC base in docker/.ngc_version.dev."""
+    version_file = MEGATRON_LM / "docker" / ".ngc_version.dev"
+    if not version_file.is_file():
+        pytest.skip(f"no Megatron-LM tree at {MEGATRON_LM}")
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)", (ROOT / "Dockerfile").read_text(), re.M)
+    assert base and base.group(1) == version_file.read_text().strip()
+
+
+def test_dockerfile_is_valid_where_a_docker_daemon_runs() -> None:
+    """`docker build --check` (BuildKit's checks, no build, no pull) where a daemon answers;
+    skipped, saying so, where none does (this project's CI machines have none)."""
+    docker = shutil.which("docker")
+    if docker is None:
+        pytest.skip("no docker client on this machine: the Dockerfile was not checked")
+    if subprocess.run([docker, "info"], capture_output=True, timeout=60).returncode != 0:
+        pytest.skip("no Docker daemon answers on this machine: the Dockerfile was not checked")
+    done = subprocess.run(
+        [docker, "build", "--check", str(ROOT)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 def test_setup_script_applies_the_patch_to_a_checkout(tmp_path: Path) -> None:

@@ -182,3 +182,25 @@ def test_save_then_load_resumes_with_one_command(tmp_path) -> None:
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["iteration"] for row in rows] == [1, 2, 3]  # the resumed run appends
     assert (saves / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def test_more_ranks_than_gpus_is_refused_in_one_line(monkeypatch, capsys) -> None:
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected", from inside NCCL): `train`
+    refuses before it starts them, naming the counts and the fix; a rank that a launcher put on
+    a node with too few GPUs refuses before it touches CUDA."""
+    import torch
+
+    from megatron_pp_ext import launch
+    from megatron_pp_ext.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["train", "--pp", "2", "--train-iters", "1"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--pipeline-model-parallel-size" in last and "2 ranks on this node" in last, last
+    assert "has 1 GPU: NCCL needs one GPU per rank" in last and "--nproc-per-node 1" in last, last
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(launch.LaunchError, match=r"\(rank 1, local rank 1\) but it has 1 GPU"):
+        launch.init_distributed(1, 2, 1, 10.0)
+    launch.check_gpus(8, 8)  # one each: fine
+    launch.check_gpus(3, 0)  # no GPU: gloo, any number

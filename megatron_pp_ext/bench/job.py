@@ -89,7 +89,7 @@ class BenchSettings:
     seed: int = 1234
     timeout: float = 300.0
     quiet: bool = False  # check lines to stderr (for --json)
-    emulate_nccl: bool = False  # NCCL's rules on gloo for our runs (runtime/creation.py, launch.py)
+    emulate_nccl: bool = False  # NCCL's rules on gloo for our runs (runtime/creation.py, launch_order.py)
 
     @property
     def model(self) -> dict[str, Any]:

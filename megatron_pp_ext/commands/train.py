@@ -127,6 +127,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--micro-batch-size", type=int, help="sequences per microbatch")
     parser.add_argument("--seq-length", type=int, help="tokens per sequence")
     parser.add_argument("--num-layers", type=int, help="transformer layers")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bfloat16 weights and activations (fp32 loss, gradients reduced in fp32), as Megatron-LM's",
+    )
     parser.add_argument("--train-iters", "--iterations", dest="iterations", type=int, help="optimizer steps")
     parser.add_argument(
         "--use-distributed-optimizer",
@@ -216,6 +221,8 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         model["seq_length"] = args.seq_length
     if args.num_layers is not None:
         model["num_layers"] = args.num_layers
+    if args.bf16:
+        model["dtype"] = "bfloat16"
     options = PipelineOptions.from_args(args)
     options = dataclasses.replace(
         options,
@@ -451,6 +458,8 @@ def _check_cp_length(length: int, settings: TrainSettings, flag: str, what: str)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from .. import launch
 
     settings = load_settings(args)
@@ -467,7 +476,18 @@ def run(args: argparse.Namespace) -> int:
         )
     settings = resolve_layout(settings, None if world is None else world[1])
     check(settings)
-    launch.run(worker, settings.tp * settings.cp * settings.pp * settings.dp, settings)
+    ranks = settings.tp * settings.cp * settings.pp * settings.dp
+    if world is None:  # this command starts the ranks here: as many as there are GPUs at most
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        try:
+            launch.check_gpus(
+                ranks,
+                gpus,
+                f" (TP x CP x PP x DP = {settings.tp} x {settings.cp} x {settings.pp} x {settings.dp})",
+            )
+        except launch.LaunchError as error:
+            raise UsageError("--pipeline-model-parallel-size", str(error)) from None
+    launch.run(worker, ranks, settings)
     return 0
 
 
@@ -585,7 +605,13 @@ class TrainJob:
 
         from ..megatron.checkpoint import TrainingCheckpoint
         from ..megatron.ddp import wrap_chunks
-        from ..megatron.model import ModelConfig, build_chunks_from, build_reference, split_layers
+        from ..megatron.model import (
+            ModelConfig,
+            build_chunks_from,
+            build_reference,
+            seed_like_megatron,
+            split_layers,
+        )
         from ..megatron.optimizer import OptimizerSettings, build_optimizer
         from ..schedule.iterations import completion_order
 
@@ -602,8 +628,10 @@ class TrainJob:
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.dp_rank = parallel_state.get_data_parallel_rank()
 
+        # Megatron-LM's seeds per stage and, on CUDA, its RNG tracker (dropout, Transformer Engine)
+        seed_like_megatron(settings.seed)
         # Same weights whatever the schedule and layout: every stage copies its layers (its TP
-        # shard) from one seeded model.
+        # shard) from one seeded model, initialised on the host (model.transformer_config).
         torch.manual_seed(settings.seed)
         reference = build_reference(self.model_config)
         chunks, _ = build_chunks_from(
@@ -641,6 +669,8 @@ class TrainJob:
         ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=settings.overlap_grad_reduce,
             use_distributed_optimizer=settings.use_distributed_optimizer,
+            # Megatron-LM's --accumulate-allreduce-grads-in-fp32, which it turns on for bf16
+            grad_reduce_in_fp32=self.model_config.dtype == "bfloat16",
         )
         self.model = wrap_chunks(chunks, ddp_config)
         # post-validation's chain until the first iterations measured the order (_set_chain)

@@ -77,7 +77,7 @@ class PipelineOptions:
     attn_redistribution: float = 0.0  # SlimPipe's cap on the attention a heavy slice hands away
     vocab_parallel: str = "none"  # none, vocab-1 or vocab-2 (docs/vocab_parallel.md)
     calculate_per_token_loss: bool = False  # Megatron's flag: vocabulary parallelism with slices needs it
-    emulate_nccl: bool = False  # NCCL's creation and launch-order rules on gloo (creation.py, launch.py)
+    emulate_nccl: bool = False  # NCCL's creation and launch-order rules on gloo (docs/nccl.md)
 
     @classmethod
     def from_args(cls, args: Any) -> PipelineOptions:
@@ -205,7 +205,7 @@ class PipelineOptions:
 def launch_order_applies(emulate_nccl: bool) -> bool:
     """Whether communication completes in launch order across communicators (NCCL's rule 3):
     on a GPU with one hardware connection (``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron
-    asks for with TP/SP), or on gloo under ``--pp-emulate-nccl`` (``runtime/launch.py``)."""
+    asks for with TP/SP), or on gloo under ``--pp-emulate-nccl`` (``runtime/launch_order.py``)."""
     return emulate_nccl or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
 
 

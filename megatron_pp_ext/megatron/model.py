@@ -136,7 +136,6 @@ class ModelConfig:
 
 def transformer_config(model: ModelConfig, num_layers: int | None = None) -> TransformerConfig:
     """The megatron-core TransformerConfig of ``model`` (or of one stage with ``num_layers``)."""
-    on_gpu = torch.cuda.is_available()
     fields = dict(
         num_layers=model.num_layers if num_layers is None else num_layers,
         hidden_size=model.hidden_size,
@@ -155,7 +154,10 @@ def transformer_config(model: ModelConfig, num_layers: int | None = None) -> Tra
         init_method_std=model.init_std,
         params_dtype=model.torch_dtype,
         pipeline_dtype=model.torch_dtype,
-        use_cpu_initialization=not on_gpu,
+        # Weights from one master tensor on the host, cut into this rank's TP shard, then moved
+        # to the device (_gpt): the same weights whatever the layout, on CPU and on GPU (Megatron's
+        # GPU initialisation draws each TP shard from its own stream of the CUDA RNG tracker)
+        use_cpu_initialization=True,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -386,6 +388,26 @@ def build_chunks_from(
         copy_from_reference(reference, chunk, offsets[stage])
         names.update({id(p): reference_name(n, offsets[stage]) for n, p in chunk.named_parameters()})
     return chunks, names
+
+
+def seed_like_megatron(seed: int) -> None:
+    """Megatron-LM's ``_set_random_seed``: a seed of its own per pipeline stage (seed + 100 x
+    pipeline rank) for Python's, NumPy's and torch's generators and, on CUDA, megatron-core's RNG
+    tracker (``model_parallel_cuda_manual_seed``: the data-parallel stream and one per TP rank,
+    which dropout in TP regions and Transformer Engine fork from; without it the first fork fails
+    with "cuda rng state model-parallel-rng is not added"). On CPU the shim's tracker has no
+    streams (``cpu_shim.py``). Parallel state must be initialised."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed % 2**32)
+    torch.manual_seed(stage_seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
 def init_parallel_state(pp_size: int, tp_size: int = 1, cp_size: int = 1) -> None:

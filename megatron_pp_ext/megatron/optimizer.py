@@ -323,7 +323,9 @@ def build_optimizer(
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=model[0].ddp_config.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, list(model))
+    # the parallel state has no gloo groups (they serve only Megatron-LM's legacy checkpoint
+    # formats; ours is dist_checkpointing's)
+    return get_megatron_optimizer(config, list(model), use_gloo_process_groups=False)
 
 
 def optimizer_step(optimizer: Any, model: Sequence[Any] | None = None) -> StepInfo:

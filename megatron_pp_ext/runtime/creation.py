@@ -18,7 +18,7 @@ carries messages (``F-up`` from the lower rank, as Megatron's first ``send_forwa
 use of the same communicator (a handshake on the pair, a monitored barrier on a group), so a bad
 order hangs on CPU where NCCL would, until the deadline names the rank, the op, the communicator
 and the peers it waited for. NCCL's other emulated rule, in-order completion, is
-``launch.py``'s.
+``launch_order.py``'s.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ class PipelineRuntime:
         self._warmed: set[tuple[int, int]] = set()  # (id of a prepared schedule, attention links)
         self.vocab = vocab
         if vocab is not None:
-            vocab.vp.launch = comm.launch  # its step collectives queue with the p2p (launch.py)
+            vocab.vp.launch = comm.launch  # its step collectives queue with the p2p (launch_order.py)
         self.comm = comm
         self.rank = comm.rank
         self.shape_of = _shape_fn(tensor_shape)

@@ -9,7 +9,7 @@ matches p2p messages in order and serialises a pair's traffic on one stream) can
 messages. Gloo (CPU) behaves the same way. What NCCL's rules still allow to hang, and what the
 runtime does about it, is in docs/nccl.md: the schedule core checks it (``nccl_check.py``),
 lowering orders each step's messages so that it cannot (``message_order.py``), and every
-send and receive goes through ``launch`` (``launch.py``), which under ``emulate_nccl``
+send and receive goes through ``launch`` (``launch_order.py``), which under ``emulate_nccl``
 completes this rank's communication in launch order, as a GPU does.
 
 A receive that does not complete within ``timeout_s`` — the peer died, hangs or never sends —
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .creation import Creation
-from .launch import Launcher
+from .launch_order import Launcher
 from .peer_error import PeerError
 
 EMULATE_NCCL_VARIABLE = "MEGATRON_PP_EXT_EMULATE_NCCL"

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..schedule.ir import OpKind
-from .launch import Launcher, Slot, direct
+from .launch_order import Launcher, Slot, direct
 from .weight_grad import accumulate_grad
 
 VARIANTS = ("vocab-1", "vocab-2")
@@ -401,7 +401,7 @@ class VocabParallel(torch.nn.Module):
             param.partition_stride = 1
         self._worker: ThreadPoolExecutor | None = None  # vocab-2's REDUCE_S chain, in issue order
         # where the step's collectives are launched (the runtime's PipeComm.launch: in launch
-        # order under --pp-emulate-nccl, see launch.py); at once by default
+        # order under --pp-emulate-nccl, see launch_order.py); at once by default
         self.launch: Launcher = direct()
         if init_method is not None:
             self.reset_parameters(init_method)
@@ -686,7 +686,7 @@ class VocabParallel(torch.nn.Module):
                     initializer=torch.cuda.set_device if device.type == "cuda" else None,
                     initargs=(device,) if device.type == "cuda" else (),
                 )
-            # the worker's launches take their places in this rank's order now (launch.py)
+            # the worker's launches take their places in this rank's order now (launch_order.py)
             slots = [self.launch.reserve(what) for what in self._worker_launches()]
             future = self._worker.submit(self._reduce_input_grad, state, combine, slots)
             pending = Pending(future, future.result)

@@ -41,7 +41,7 @@ Left out: collectives outside the pipeline (tensor, context and data parallel gr
 on every replica, so they cannot order one pipeline's ranks differently), the post-validation
 all-reduce and chain (between steps). A helper thread is taken to launch the moment it may: the
 runtime makes that so, the main thread reserving the helper's places in its launch order
-(``runtime/launch.py``, ``Launcher.reserve``).
+(``runtime/launch_order.py``, ``Launcher.reserve``).
 """
 
 from __future__ import annotations

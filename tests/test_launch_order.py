@@ -1,4 +1,4 @@
-"""The launch queue alone (``runtime/launch.py``), with stand-ins for ``torch.distributed`` work:
+"""The launch queue alone (``runtime/launch_order.py``), with stand-ins for ``torch.distributed`` work:
 in order, an operation starts only once the one launched before it has completed, and a waiter
 names what it is queued behind; a helper's reserved place keeps its order on both modes."""
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megatron_pp_ext.runtime.launch import Launcher
+from megatron_pp_ext.runtime.launch_order import Launcher
 
 
 class Work:
