@@ -170,6 +170,19 @@ def test_flex_forward_on_cpu_matches_math():
         assert rel_error(got[0], want[0]) < 1e-5 and rel_error(got[1], want[1]) < 1e-5
 
 
+def test_flex_is_skipped_where_torch_lacks_aux_request(monkeypatch):
+    """torch < 2.9 (e.g. NGC 25.03) has no FlexAttention AuxRequest: auto passes flex by, and
+    asking for it names the torch version needed."""
+    from megatron_pp_ext.attention import attend, backends
+
+    q, k, _ = random_qkv((1, 2, 1, 4, 3, 3), torch.float32, 0)
+    monkeypatch.setattr(backends, "flex_available", lambda: False)
+    monkeypatch.setattr(attend, "flex_available", lambda: False)
+    assert "flex" not in available_backends(q.detach(), k.detach(), need_lse=True, need_grad=False)
+    with pytest.raises(ValueError, match=r"'flex' cannot be used here: torch .* \(torch >= 2.9 has\)"):
+        choose_backend("flex", q.detach(), k.detach(), need_lse=True, need_grad=False)
+
+
 def test_backend_errors_name_the_reason():
     q, k, _ = random_qkv((1, 2, 1, 4, 3, 3), torch.float32, 0)
     with pytest.raises(ValueError, match="gives no lse"):

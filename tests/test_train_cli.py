@@ -204,3 +204,31 @@ def test_more_ranks_than_gpus_is_refused_in_one_line(monkeypatch, capsys) -> Non
         launch.init_distributed(1, 2, 1, 10.0)
     launch.check_gpus(8, 8)  # one each: fine
     launch.check_gpus(3, 0)  # no GPU: gloo, any number
+
+
+def test_transformer_engine_is_used_where_it_can_run_the_schedule(monkeypatch, capsys) -> None:
+    """`--transformer-impl` (Megatron's flag): TE needs to import on a GPU, and is refused for
+    schedules with a B/W split (TE's deferred weight gradient is not given to W yet); by default
+    TE is taken where it imports, for schedules without the split, else the local layers."""
+    import dataclasses
+
+    from megatron_pp_ext.cli import main
+    from megatron_pp_ext.commands import train as train_command
+    from megatron_pp_ext.megatron import layer_spec
+
+    assert main(["train", "--transformer-impl", "transformer_engine", "--train-iters", "1"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--transformer-impl" in last and "needs Transformer Engine importable and a GPU" in last, last
+
+    monkeypatch.setattr(layer_spec, "te_available", lambda: True)
+    argv = ["--pp-schedule", "zb-h1", "--transformer-impl", "transformer_engine"]
+    with pytest.raises(
+        train_command.UsageError, match="zb-h1 defers weight gradients .* --transformer-impl local"
+    ):
+        train_command.settings_from_argv(argv)
+    settings = train_command.settings_from_argv(["--pp-schedule", "zb-h1"])
+    assert settings.use_te(splits_backward=True) is False and settings.use_te(splits_backward=False) is True
+    local = dataclasses.replace(settings, transformer_impl="local")
+    assert local.use_te(splits_backward=False) is False
+    monkeypatch.setattr(layer_spec, "te_available", lambda: False)
+    assert settings.use_te(splits_backward=False) is False

@@ -39,6 +39,18 @@ class SdpaAttend:
 
 
 @functools.cache
+@functools.cache
+def flex_available() -> bool:
+    """FlexAttention with ``return_aux`` (its lse as a differentiable output), which the partial
+    attention of sliced attention needs: torch 2.9 and later (older images, e.g. NGC 25.03's
+    torch 2.7, lack ``AuxRequest``; the automatic choice then skips flex)."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _flex_fn(device_type: str) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -64,7 +76,7 @@ class FlexAttend:
     gives_lse = True
 
     def supports(self, q: Tensor, k: Tensor, need_grad: bool) -> bool:
-        if q.dtype not in _FLEX_DTYPES:
+        if q.dtype not in _FLEX_DTYPES or not flex_available():
             return False
         return q.is_cuda or (q.device.type == "cpu" and not need_grad)
 

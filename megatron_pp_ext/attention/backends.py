@@ -9,9 +9,10 @@ the sliced backward then needs no recomputation.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from .attend import FlexAttend, SdpaAttend
+from .attend import FlexAttend, SdpaAttend, flex_available
 from .blocks import Kernel
 from .flash_attn_kernel import FlashAttnKernel
 from .math_kernel import MathKernel
@@ -89,6 +90,8 @@ def choose_backend(
         what = f"{q.dtype} on {q.device.type}, head dim {q.shape[-1]}"
         if need_lse and not is_kernel(backend) and not backend.gives_lse:
             why = "it gives no lse"
+        elif name == "flex" and not flex_available():
+            why = f"torch {torch.__version__} has no FlexAttention AuxRequest (torch >= 2.9 has)"
         elif need_grad and not is_kernel(backend):
             why = f"it cannot run {what} with gradients"
         else:

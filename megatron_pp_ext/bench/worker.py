@@ -70,7 +70,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings)
     from tqdm import tqdm
 
     from .. import launch
-    from ..megatron.model import build_reference, init_parallel_state
+    from ..megatron.model import build_reference, init_parallel_state, seed_like_megatron
 
     # The bookkeeping collectives wait longer than any transfer, so a rank whose peer failed
     # times out in the pipeline first and still meets the others at the next gather.
@@ -79,7 +79,8 @@ def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings)
         torch.set_num_threads(1)
     init_parallel_state(world_size)
     model = ModelConfig(**settings.model)
-    torch.manual_seed(settings.seed)
+    seed_like_megatron(settings.seed)  # as train: Megatron-LM's stage seeds, the CUDA RNG tracker
+    torch.manual_seed(settings.seed)  # one model on every rank
     context = Context(
         settings,
         rank,

@@ -82,7 +82,18 @@ class TrainSettings:
     load_rng: bool = True
     post_validation: bool = False  # Zero Bubble's optimizer post-validation
     post_validation_chain: str = "measured"  # the partial state's order: measured, auto, up, down
+    transformer_impl: str | None = None  # Megatron's --transformer-impl; None: use_te() decides
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+
+    def use_te(self, splits_backward: bool) -> bool:
+        """Transformer Engine's layers: when asked for, else on a GPU where TE imports, for a
+        schedule without a B/W split (TE's deferred weight gradient is not wired to W yet, and
+        the generic split would compute TE's full weight gradient in B)."""
+        from ..megatron.layer_spec import te_available
+
+        if self.transformer_impl is not None:
+            return self.transformer_impl == "transformer_engine"
+        return te_available() and not splits_backward
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -127,6 +138,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--micro-batch-size", type=int, help="sequences per microbatch")
     parser.add_argument("--seq-length", type=int, help="tokens per sequence")
     parser.add_argument("--num-layers", type=int, help="transformer layers")
+    parser.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        help="Megatron's: Transformer Engine's layers, or megatron-core's local ones with fused SDPA "
+        "attention (default: TE on a GPU where it imports, for schedules without a B/W split)",
+    )
     parser.add_argument(
         "--bf16",
         action="store_true",
@@ -248,6 +265,7 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         load_rng=not args.no_load_rng,
         post_validation=args.pp_post_validation,
         post_validation_chain=getattr(args, "pp_post_validation_chain", None) or "measured",
+        transformer_impl=args.transformer_impl,
         **training,
     )
 
@@ -322,6 +340,7 @@ def check(settings: TrainSettings) -> None:
         schedule = settings.pipeline.schedule_for(settings.pp, settings.microbatches, flags)
     except OptionError as error:
         raise UsageError(error.flag, error.reason) from None
+    _check_transformer_impl(settings, schedule)
     try:
         split_layers(model.num_layers, schedule.num_stages)
     except ValueError as error:
@@ -435,6 +454,28 @@ SHAPE_KEYS = (
     "vocab_size",
     "dtype",
 )
+
+
+def _check_transformer_impl(settings: TrainSettings, schedule: Any) -> None:
+    """``--transformer-impl transformer_engine`` needs TE importable on a GPU, and a schedule
+    without a B/W split (as the pretrain_gpt.py hook refuses it)."""
+    from ..megatron.layer_spec import te_available
+
+    if settings.transformer_impl != "transformer_engine":
+        return
+    if not te_available():
+        raise UsageError(
+            "--transformer-impl",
+            "transformer_engine needs Transformer Engine importable and a GPU: install it "
+            '(pip install -e ".[gpu]") or use --transformer-impl local',
+        )
+    if schedule.splits_backward:
+        raise UsageError(
+            "--transformer-impl",
+            f"{schedule.name} defers weight gradients (B/W split), which Transformer Engine's layers "
+            "do not give to W yet: use --transformer-impl local (fused SDPA attention, deferrable "
+            "linears)",
+        )
 
 
 def _check_cp_length(length: int, settings: TrainSettings, flag: str, what: str) -> None:
@@ -633,12 +674,14 @@ class TrainJob:
         # Same weights whatever the schedule and layout: every stage copies its layers (its TP
         # shard) from one seeded model, initialised on the host (model.transformer_config).
         torch.manual_seed(settings.seed)
-        reference = build_reference(self.model_config)
+        use_te = settings.use_te(self.schedule.splits_backward)
+        reference = build_reference(self.model_config, use_te=use_te)
         chunks, _ = build_chunks_from(
             reference,
             self.model_config,
             self.schedule.placement,
             pipeline_rank,
+            use_te=use_te,
             sliced=self.schedule.slices > 1,
         )
         self.vocab = None

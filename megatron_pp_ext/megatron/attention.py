@@ -3,7 +3,8 @@
 Megatron's local ``DotProductAttention`` allocates CUDA tensors (its global memory buffer and the
 CUDA RNG tracker), so it cannot run on a CPU. This module is a drop-in ``core_attention`` with the
 same constructor and forward signature, built on ``torch.nn.functional.scaled_dot_product_attention``
-(which has fused kernels on GPU and a plain path on CPU). Sequence slicing (Seq1F1B, SlimPipe)
+(which has fused kernels on GPU and a plain path on CPU): on a GPU it replaces Megatron's local
+attention too, which materialises the [b, heads, s, s] scores. Sequence slicing (Seq1F1B, SlimPipe)
 will extend this module, so it stays a small, self-contained class.
 
 Layout follows Megatron: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]``; output
@@ -75,10 +76,6 @@ class SDPAttention(MegatronModule):
         sq, batch = query.shape[0], query.shape[1]
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
         sdpa_mask, is_causal = _sdpa_mask(attention_mask, mask_type, sq, k.shape[2])
         context = F.scaled_dot_product_attention(
             q,
@@ -88,6 +85,7 @@ class SDPAttention(MegatronModule):
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=is_causal,
             scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],  # grouped K/V without copies (flash/cuDNN on GPU)
         )
         # [b, heads, s, d] -> [s, b, heads * d]
         return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
@@ -97,12 +95,15 @@ def _sdpa_mask(
     attention_mask: Tensor | None, mask_type: AttnMaskType, sq: int, sk: int
 ) -> tuple[Tensor | None, bool]:
     """Megatron masks mark positions to DROP (True = masked); SDPA boolean masks mark positions
-    to KEEP. With no explicit mask, a causal mask type becomes SDPA's ``is_causal``."""
+    to KEEP. A causal mask type over a square score matrix becomes SDPA's ``is_causal`` and the
+    given mask (Megatron's dataloader builds the same lower triangle) is not used, as Transformer
+    Engine's and flash attention's causal paths do: an explicit mask would keep SDPA off its fused
+    flash kernels and cost an s x s tensor."""
+    if mask_type == AttnMaskType.causal and sq == sk:
+        return None, True
     if attention_mask is None:
         if mask_type == AttnMaskType.causal:
-            if sq != sk:
-                raise ValueError(f"causal attention without a mask needs sq == sk, got {sq} and {sk}")
-            return None, True
+            raise ValueError(f"causal attention without a mask needs sq == sk, got {sq} and {sk}")
         return None, False
     if attention_mask.dtype == torch.bool:
         return ~attention_mask, False

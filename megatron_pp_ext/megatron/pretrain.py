@@ -368,7 +368,8 @@ def _final_norm_allowing_sequence_parallel() -> Iterator[None]:
 def layer_spec_for(spec: Any) -> Any:
     """The layer spec gpt_builders chose, made to run our schedules: sliced core attention where
     :func:`sliced_attention` says; on the local spec, deferrable linears (the B/W split), SDPA
-    core attention without CUDA (Megatron's local attention needs it) and a norm that allows
+    core attention (Megatron's local attention needs CUDA, and materialises the s x s scores on
+    it) and a norm that allows
     sequence parallelism. A Transformer Engine spec keeps its TE modules. Unchanged when
     Megatron's arguments do not have our flags (another script sharing gpt_builders)."""
     from megatron.training import get_args
@@ -381,7 +382,6 @@ def layer_spec_for(spec: Any) -> Any:
 
 def adapt_layer_spec(spec: Any, sliced: bool) -> Any:
     """:func:`layer_spec_for` on an explicit ``sliced``; a block spec is adapted layer by layer."""
-    import torch
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -396,9 +396,10 @@ def adapt_layer_spec(spec: Any, sliced: bool) -> Any:
         ColumnParallelLinear: DeferrableColumnParallelLinear,
         RowParallelLinear: DeferrableRowParallelLinear,
         WrappedTorchNorm: TorchNorm,
+        # fused attention on every device: Megatron's local attention needs CUDA and, on it,
+        # materialises [b, heads, s, s]
+        DotProductAttention: SDPAttention,
     }
-    if not torch.cuda.is_available():
-        swaps[DotProductAttention] = SDPAttention
 
     if isinstance(spec, TransformerBlockSubmodules):
         spec = copy.copy(spec)

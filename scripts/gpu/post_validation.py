@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import common
-from train_step import bf16_args, check_flags, has_flag, run_train, train_help
+from train_step import check_flags, has_flag, run_train, train_help
 
 TOLERANCE = 0.05  # relative loss difference allowed at any iteration (see the module docstring)
 
@@ -45,7 +45,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gpu_validate_post_") as scratch:
         directory = Path(scratch)
         base = [
-            *bf16_args(help_text, directory),
+            "--bf16",
             *layout,
             "--microbatches", str(args.microbatches),
             "--train-iters", str(args.iterations),

@@ -6,9 +6,7 @@ runs ``python3 -m megatron_pp_ext train`` (the project from the working tree) at
 (unless TRAIN_FLAGS give one) on the tiny-llama config with TRAIN_FLAGS added, reads its
 ``--metrics`` and prints the loss of each iteration. Every flag in TRAIN_FLAGS must be one that
 ``train --help`` lists: a missing flag fails the step, naming it; the command is never changed
-into another. bf16: ``--bf16`` when train has that flag; otherwise (a tree whose train takes the
-dtype from the config only) a copy of configs/tiny-llama.yaml with ``model.dtype: bfloat16`` is
-passed as ``--config``, and the log says so.
+into another. bf16: train's ``--bf16`` (Megatron's flag).
 
 The step passes when train exits 0 and every loss is finite. With ``--pp-offload`` it also
 reports how many bytes were offloaded per iteration (0 means no unit was picked for offload).
@@ -29,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 import common
-import yaml
 
 TRAIN = [sys.executable, "-m", "megatron_pp_ext", "train"]
 
@@ -51,22 +48,6 @@ def check_flags(flags: list[str], help_text: str) -> None:
         name = flag.split("=", 1)[0]
         if name.startswith("--") and not has_flag(help_text, name):
             common.fail(f"train has no {name} flag (train --help does not list it): {shlex.join(flags)}")
-
-
-def bf16_args(help_text: str, directory: Path) -> list[str]:
-    """``--bf16`` if train has it, else a bf16 copy of the default config as ``--config``."""
-    if has_flag(help_text, "--bf16"):
-        return ["--bf16"]
-    config = yaml.safe_load((common.REPO / "configs" / "tiny-llama.yaml").read_text())
-    config["model"]["dtype"] = "bfloat16"
-    path = directory / "tiny-llama-bf16.yaml"
-    path.write_text(yaml.safe_dump(config))
-    print(
-        "train has no --bf16 flag: bf16 comes from --config, a copy of configs/tiny-llama.yaml with "
-        f"model.dtype: bfloat16 ({path})",
-        flush=True,
-    )
-    return ["--config", str(path)]
 
 
 # a line that names an error: "SomeError: ...", "Exception: ...", "... rank 0: error: ..."
@@ -107,7 +88,7 @@ def main() -> None:
         layout = [] if any(f in flags for f in ("--pp", "--pipeline-model-parallel-size")) else ["--pp", "1"]
         returncode, rows, error = run_train(
             [
-                *bf16_args(help_text, directory),
+                "--bf16",
                 *layout,
                 "--microbatches", str(args.microbatches),
                 "--train-iters", str(args.iterations),
