@@ -243,6 +243,7 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
     options = PipelineOptions.from_args(args)
     options = dataclasses.replace(
         options,
+        measure_memory=True,  # train reports each rank's activation peak
         schedule=args.pp_schedule or pipeline.get("schedule", "1f1b"),
         chunks=args.pp_chunks if args.pp_chunks is not None else pipeline.get("chunks"),
         slices=args.pp_seq_slices if args.pp_seq_slices is not None else pipeline.get("slices", 1),

@@ -78,6 +78,8 @@ class PipelineOptions:
     vocab_parallel: str = "none"  # none, vocab-1 or vocab-2 (docs/vocab_parallel.md)
     calculate_per_token_loss: bool = False  # Megatron's flag: vocabulary parallelism with slices needs it
     emulate_nccl: bool = False  # NCCL's creation and launch-order rules on gloo (docs/nccl.md)
+    # count activation bytes per step (train reports them; pretrain_gpt.py does not pay for it)
+    measure_memory: bool = True
 
     @classmethod
     def from_args(cls, args: Any) -> PipelineOptions:
@@ -99,6 +101,7 @@ class PipelineOptions:
             vocab_parallel=getattr(args, "pp_vocab_parallel", None) or "none",
             calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
             emulate_nccl=bool(getattr(args, "pp_emulate_nccl", False)),
+            measure_memory=False,  # Megatron-LM reports memory its own way
         )
 
     def schedule_for(
@@ -420,6 +423,7 @@ class Installed:
                 config,
                 attn_redistribution=self.options.attn_redistribution,
                 vocab=self.vocab,
+                measure_memory=self.options.measure_memory,
             )
         return self._runtimes[key]
 

@@ -67,7 +67,7 @@ class StepResult:
     losses: list[Any]
     num_tokens: int | Tensor
     is_loss_rank: bool
-    peak_activation_bytes: int
+    peak_activation_bytes: int | None  # None when the runtime does not measure memory
     peak_memory_allocated: int | None = None  # torch.cuda.max_memory_allocated on GPU
     op_count: dict[str, int] = field(default_factory=dict)
     offload: OffloadStats | None = None  # what the activation copies did, when the schedule has any
@@ -174,8 +174,12 @@ class PipelineRuntime:
         attn_redistribution: float = 0.0,
         vocab: VocabSetup | None = None,
         warm_up: bool = True,
+        measure_memory: bool = True,
     ) -> None:
         self.chunks = list(chunks)
+        # count activation bytes (StepResult.peak_activation_bytes); off, the step pays nothing
+        # for it (no saved-tensor hooks) and reports None
+        self.measure_memory = measure_memory
         # create every communicator of a schedule before its first step, in one global order
         # (creation.py); off only to show what a lazy creation order does under --pp-emulate-nccl
         self.warm_up = warm_up
@@ -196,7 +200,7 @@ class PipelineRuntime:
         # Under sequence (context) parallelism a message holds this rank's 1/TP (1/CP) of the sequence.
         self.sequence_share = _sequence_share(self.config)
         self.cp_group = context_parallel_group(self.config)
-        self.meter = ActivationMeter()
+        self.meter = ActivationMeter(enabled=measure_memory)
         self.offload = OffloadEngine(self.device)
         self.last_result: StepResult | None = None
         self._prepared: dict[tuple[str, bool], Schedule] = {}  # validated once per schedule
@@ -325,13 +329,14 @@ class PipelineRuntime:
         tensor_shape, slice_lengths, slice_batch = step.tensor_shape, step.slice_lengths, step.slice_batch
         vocab_parallel = step.vocab_parallel
         stages = lowered.placement.stages_of(self.rank)
-        self.meter = ActivationMeter()
+        self.meter = ActivationMeter(enabled=self.measure_memory)
         for chunk in self.chunks:
             self.meter.exclude(chunk.parameters())
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         params = [param for chunk in self.chunks for param in chunk.parameters()]
         offload = self.offload if self.offload.begin(self.meter, lowered.ranks[self.rank], params) else None
+        deferring = {op.stage for op in lowered.ranks[self.rank] if op.kind in (OpKind.B, OpKind.W)}
         runners = {
             stage: StageRunner(
                 self.chunks[lowered.placement.chunk_index(stage)],
@@ -339,7 +344,8 @@ class PipelineRuntime:
                 lowered.num_stages,
                 self.config,
                 self.meter,
-                self.stores[lowered.placement.chunk_index(stage)],
+                # the weight-gradient store only where this rank's ops defer W for the stage
+                self.stores[lowered.placement.chunk_index(stage)] if stage in deferring else None,
                 num_slices=lowered.slices,
                 offload=offload,
                 cp_group=self.cp_group,

@@ -65,22 +65,32 @@ class _Saved:
 
 
 class ActivationMeter:
-    """Counts live activation bytes of one rank by storage, and remembers the peak."""
+    """Counts live activation bytes of one rank by storage, and remembers the peak.
 
-    def __init__(self) -> None:
+    ``enabled=False``: counts nothing and costs nothing (no saved-tensor hooks, no-op holds),
+    for runs that neither report nor check activation memory (a step then reports ``peak``
+    None)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._refs: dict[StorageKey, list[int]] = {}  # key -> [holders, bytes]
         self._excluded: set[StorageKey] = set()
         self.live = 0
-        self.peak = 0
+        self.peak: int | None = 0 if enabled else None
+        self._nothing = Hold(self, None)
 
     def exclude(self, tensors: Iterable[Tensor]) -> None:
         """Never count these storages (model parameters)."""
+        if not self.enabled:
+            return
         for tensor in tensors:
             found = _storage_key(tensor)
             if found is not None:
                 self._excluded.add(found[0])
 
     def hold(self, tensor: Tensor | None) -> Hold:
+        if not self.enabled:
+            return self._nothing
         found = None if tensor is None else _storage_key(tensor)
         if found is None or found[0] in self._excluded:
             return Hold(self, None)
@@ -95,6 +105,8 @@ class ActivationMeter:
         return Hold(self, key)
 
     def hold_all(self, tensors: Iterable[Tensor | None]) -> list[Hold]:
+        if not self.enabled:
+            return []
         return [self.hold(t) for t in tensors]
 
     def _drop(self, key: StorageKey) -> None:
@@ -105,12 +117,16 @@ class ActivationMeter:
             self.live -= entry[1]
 
     def reset_peak(self) -> None:
-        self.peak = self.live
+        if self.enabled:
+            self.peak = self.live
 
     @contextmanager
     def saving(self) -> Iterator[None]:
         """Count every tensor autograd saves for backward inside the block, for as long as the
         graph keeps it."""
+        if not self.enabled:
+            yield
+            return
 
         def pack(tensor: Tensor) -> Any:
             return _Saved(tensor, self.hold(tensor))

@@ -107,7 +107,7 @@ class StageRunner:
         num_stages: int,
         config: Any,
         meter: ActivationMeter,
-        store: WeightGradStore,
+        store: WeightGradStore | None,
         num_slices: int = 1,
         offload: OffloadEngine | None = None,
         cp_group: Any = None,
@@ -129,12 +129,16 @@ class StageRunner:
         self.loss_funcs: dict[Key, Callable[..., Any] | None] = {}  # vocabulary parallel: F -> report
         self.config = config
         self.meter = meter
+        # None: no op of this stage defers W, and the chunk's linears run as Megatron's own
         self.store = store
         self.uncovered = attach_store(chunk, store)
         self._units: dict[Key, _Unit] = {}
         self._w_holds: dict[Key, list[Hold]] = {}
-        store.on_hold = lambda key, tensors: self._w_holds.setdefault(key, []).extend(meter.hold_all(tensors))
-        store.on_release = lambda key: [h.release() for h in self._w_holds.pop(key, [])]
+        if store is not None:
+            store.on_hold = lambda key, tensors: self._w_holds.setdefault(key, []).extend(
+                meter.hold_all(tensors)
+            )
+            store.on_release = lambda key: [h.release() for h in self._w_holds.pop(key, [])]
 
     # ---- F -----------------------------------------------------------------------------------
 
@@ -336,7 +340,10 @@ class StageRunner:
         """Units still stashed or with pending weight gradients (should be none after a step)."""
         return (
             [f"stage {self.stage} unit {k} has no backward yet" for k in self._units]
-            + [f"stage {self.stage} unit {k} has no W yet" for k in self.store.pending()]
+            + [
+                f"stage {self.stage} unit {k} has no W yet"
+                for k in (self.store.pending() if self.store else [])
+            ]
             + [f"stage {self.stage} unit {k} has no loss report yet" for k in self.loss_funcs]
         )
 
@@ -347,4 +354,5 @@ class StageRunner:
                 hold.release()
         self._units.clear()
         self.loss_funcs.clear()
-        self.store.clear()
+        if self.store is not None:
+            self.store.clear()

@@ -273,9 +273,10 @@ _DEFERRABLE = {
 }
 
 
-def attach_store(chunk: torch.nn.Module, store: WeightGradStore) -> list[Tensor]:
+def attach_store(chunk: torch.nn.Module, store: WeightGradStore | None) -> list[Tensor]:
     """Connect every Megatron linear of ``chunk`` to ``store``; return the parameters that are NOT
-    covered (their gradients are computed at B and kept until W).
+    covered (their gradients are computed at B and kept until W). ``store`` None disconnects
+    them: the linears then run Megatron's own autograd function (no W op to defer to).
 
     GPTModel builds its output layer as a plain ColumnParallelLinear whatever the layer spec says,
     so plain Megatron linears are switched to the deferrable subclass here (it adds no state)."""
@@ -287,6 +288,8 @@ def attach_store(chunk: torch.nn.Module, store: WeightGradStore) -> list[Tensor]
             module.wgrad_store = store
             if module.weight is not None:
                 covered.add(id(module.weight))
+    if store is None:
+        return []
     # Biases stay "uncovered": a bias added inside the linear is deferred by the linear (autograd
     # then reports no gradient for it at B), one added outside it gets its gradient at B.
     return [p for p in chunk.parameters() if p.requires_grad and id(p) not in covered]
