@@ -101,7 +101,7 @@ def problem_from_args(args: argparse.Namespace) -> tuple[Problem, Any]:
         spec = resolve(args.model, flags)
     except ModelError as error:
         raise UsageError(error.flag, str(error)) from None
-    seq = args.seq_length or spec.section.get("seq_length") or 4096
+    seq = args.seq_length if args.seq_length is not None else spec.section.get("seq_length") or 4096
     for flag, value in (
         ("--seq-length", seq),
         ("--gpus", args.gpus),

@@ -209,7 +209,16 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
         raise UsageError("--config", f"no config {args.config!r} (file or one of: {known})")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise UsageError(
+            "--config", f"{path} is not valid YAML{at}: {getattr(error, 'problem', error)}"
+        ) from None
+    if not isinstance(raw, dict):
+        raise UsageError("--config", f"{path} is not a mapping of sections (model:, training:, pipeline:)")
     training = dict(raw.get("training", {}))
     model = dict(raw.get("model", {}))
     pipeline = dict(raw.get("pipeline", {}))
@@ -286,7 +295,7 @@ def resolve_layout(settings: TrainSettings, launcher_world_size: int | None) -> 
         (cp_flag, settings.cp),
         ("--data-parallel-size", settings.dp),
     )
-    for flag, size in sizes:
+    for flag, size in (*sizes, ("--micro-batch-size", settings.micro_batch_size)):
         if size < 1:
             raise UsageError(flag, f"needs at least 1, got {size}")
     if launcher_world_size is not None:
@@ -318,7 +327,11 @@ def check(settings: TrainSettings) -> None:
     try:
         model = ModelConfig(**settings.model)
     except (TypeError, ValueError) as error:
-        raise UsageError("--config", f"model section: {error}") from None
+        # the model fields train has flags for are named by their flag
+        flag = {"seq_length": "--seq-length", "num_layers": "--num-layers"}.get(
+            str(error).split()[0], "--config"
+        )
+        raise UsageError(flag, f"model section: {error}" if flag == "--config" else str(error)) from None
     if model.unsupported():
         raise UsageError(
             "--config",
@@ -327,6 +340,21 @@ def check(settings: TrainSettings) -> None:
             f"{', '.join(model.unsupported())}: train it with Megatron-LM's pretrain_gpt.py "
             "(scripts/slurm/launch.sh), or study it with simulate --model",
         )
+    for flag, value in (
+        ("--train-iters", settings.iterations),
+        ("--micro-batch-size", settings.micro_batch_size),
+    ):
+        if value < 1:
+            raise UsageError(flag, f"needs at least 1, got {value}")
+    if not settings.lr > 0:
+        raise UsageError("--lr", f"must be positive, got {settings.lr}")
+    if not settings.pipeline.p2p_timeout > 0:
+        raise UsageError(
+            "--pp-p2p-timeout", f"must be positive (seconds), got {settings.pipeline.p2p_timeout}"
+        )
+    if settings.data is not None and not Path(settings.data).is_file():
+        what = "a directory" if Path(settings.data).is_dir() else "no such file"
+        raise UsageError("--data", f"{settings.data}: {what}; give a text file to train on, or leave it out")
     if settings.post_validation_chain != "measured" and not settings.post_validation:
         raise UsageError("--pp-post-validation-chain", "needs --pp-post-validation")
     if settings.clip_grad < 0:
@@ -416,6 +444,8 @@ def _check_checkpoints(settings: TrainSettings) -> None:
             raise UsageError("--save-interval", f"needs at least 1, got {settings.save_interval}")
     if settings.ckpt_step is not None and settings.load is None:
         raise UsageError("--ckpt-step", "needs --load DIR")
+    if settings.save is not None:
+        _check_writable(Path(settings.save))
     if settings.load is None:
         return
     flag = "--load" if settings.ckpt_step is None else "--ckpt-step"
@@ -424,6 +454,7 @@ def _check_checkpoints(settings: TrainSettings) -> None:
     except CheckpointError as error:
         raise UsageError(flag, str(error)) from None
     if path is None:
+        _check_fresh_start(Path(settings.load), settings.save)
         return
     common = read_common(path)
     saved, ours = (
@@ -442,6 +473,37 @@ def _check_checkpoints(settings: TrainSettings) -> None:
             "--micro-batch-size",
             f"{path} consumed {consumed} samples, not a multiple of --micro-batch-size "
             f"{settings.micro_batch_size}: the data position cannot be restored",
+        )
+
+
+def _check_writable(save: Path) -> None:
+    """``--save``: a directory this process can create and write in, before any step is spent."""
+    if save.exists() and not save.is_dir():
+        raise UsageError("--save", f"{save} is a file, not a directory")
+    try:
+        save.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError("--save", f"cannot create {save}: {error.strerror}") from None
+    if not os.access(save, os.W_OK | os.X_OK):
+        raise UsageError("--save", f"{save} is not writable by this user")
+
+
+def _check_fresh_start(load: Path, save: str | None) -> None:
+    """``--load`` without a checkpoint starts from scratch, as Megatron-LM does, when it is the
+    ``--save`` directory (the same command starts and resumes a job); another directory that
+    is missing, or holds files but no checkpoint, is a mistake."""
+    if save is not None and load.resolve() == Path(save).resolve():
+        return
+    if not load.exists():
+        raise UsageError(
+            "--load",
+            f"{load}: no such directory (to start fresh and resume later, give --save the same directory)",
+        )
+    if any(load.iterdir()):
+        raise UsageError(
+            "--load",
+            f"{load} is not a checkpoint directory (no latest_checkpointed_iteration.txt): give the "
+            "directory --save wrote",
         )
 
 

@@ -75,6 +75,10 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)  # extra TransformerConfig fields
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
+                     "vocab_size", "seq_length"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.hidden_size % self.num_attention_heads:

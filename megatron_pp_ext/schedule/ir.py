@@ -327,6 +327,13 @@ class Schedule:
                 header["meta"] = json.loads(value)
             else:
                 header[key] = value
+        missing = [key for key in ("pp", "microbatches") if key not in header]
+        if missing:
+            raise ValueError(
+                f"no {' and no '.join(repr(k + ':') for k in missing)} line: a schedule file starts with "
+                "'pp: P' and 'microbatches: M', then one 'rank R: ops' line per rank (README, "
+                "'Schedule text format')"
+            )
         header["ranks"] = [ranks.get(r, []) for r in range(int(header["pp"]))]
         return cls.from_dict(header)
 

@@ -1,0 +1,114 @@
+"""A new user's bad input, through the real console script: every case exits 2 before any
+process starts, with no traceback and one line that names the flag. The table of inputs and
+their messages is written to docs/bad_inputs.md (temporary paths shown as <tmp>)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (arguments, the flag the message must name); <tmp> is a scratch folder holding the files below
+CASES: list[tuple[str, str]] = [
+    ("train --pp-schedule no-such", "--pp-schedule"),
+    ("train --num-layers 3", "--num-layers"),
+    ("train --num-layers 0", "--num-layers"),
+    ("train --microbatches 0", "--microbatches"),
+    ("train --train-iters 0", "--train-iters"),
+    ("train --train-iters -1", "--train-iters"),
+    ("train --micro-batch-size 0", "--micro-batch-size"),
+    ("train --seq-length 0", "--seq-length"),
+    ("train --lr -1", "--lr"),
+    ("train --clip-grad -1", "--clip-grad"),
+    ("train --global-batch-size 7", "--global-batch-size"),
+    ("train --data /nonexistent/corpus.txt", "--data"),
+    ("train --data <tmp>", "--data"),
+    ("train --save /proc/forbidden", "--save"),
+    ("train --save <tmp>/a-file.txt", "--save"),
+    ("train --load /nonexistent/checkpoints", "--load"),
+    ("train --load <tmp>", "--load"),
+    ("train --ckpt-step 5", "--ckpt-step"),
+    ("train --save-interval 5", "--save-interval"),
+    ("train --config no-such-config", "--config"),
+    ("train --config <tmp>/broken.yaml", "--config"),
+    ("train --config <tmp>/a-list.yaml", "--config"),
+    ("train --sequence-parallel", "--sequence-parallel"),
+    ("train --tensor-model-parallel-size 0", "--tensor-model-parallel-size"),
+    ("train --context-parallel-size 3", "--context-parallel-size"),
+    ("train --pp-seq-slices 0", "--pp-seq-slices"),
+    ("train --pp-schedule slimpipe --pp-seq-slices 3", "--pp-seq-slices"),
+    ("train --pp-attn-redistribution 0.5", "--pp-attn-redistribution"),
+    ("train --pp-attn-redistribution 2 --pp-schedule slimpipe --pp-seq-slices 4", "--pp-attn-redistribution"),
+    ("train --pp-offload sideways", "--pp-offload"),
+    ("train --pp-vocab-parallel vocab-3", "--pp-vocab-parallel"),
+    ("train --pp-post-validation-chain up", "--pp-post-validation-chain"),
+    ("train --pp-p2p-timeout 0", "--pp-p2p-timeout"),
+    ("train --transformer-impl transformer_engine", "--transformer-impl"),
+    ("simulate --schedule no-such --pp 4 --microbatches 8", "--schedule"),
+    ("simulate --schedule 1f1b --pp 0 --microbatches 4", "--pp"),
+    ("simulate --schedule 1f1b --pp 4 --microbatches 0", "--microbatches"),
+    ("simulate --schedule-file /nonexistent/schedule.txt", "--schedule-file"),
+    ("simulate --schedule-file <tmp>/empty.txt", "--schedule-file"),
+    ("simulate --schedule-file <tmp>/bad-op.txt", "--schedule-file"),
+    ("plan --gpus 0 --model llama2-7b", "--gpus"),
+    ("plan --gpus 8 --model no-such-model", "--model"),
+    ("plan --gpus 8 --model llama2-7b --gpu no-such-gpu", "--gpu"),
+    ("plan --gpus 8 --model llama2-7b --seq-length 0", "--seq-length"),
+    ("bench --pp 1", "--pp"),
+    ("bench --iterations 0", "--iterations"),
+    ("bench --schedules no-such", "--schedules"),
+    ("bench --timeout -1", "--timeout"),
+]
+
+
+def _scratch(folder: Path) -> None:
+    (folder / "a-file.txt").write_text("not a directory\n")
+    (folder / "broken.yaml").write_text("model: [\n")
+    (folder / "a-list.yaml").write_text("- one\n- two\n")
+    (folder / "empty.txt").write_text("")
+    (folder / "bad-op.txt").write_text("pp: 2\nmicrobatches: 2\nrank 0: F0:0 XX\nrank 1: F1:0\n")
+    (folder / "leftover.txt").write_text("a folder with files but no checkpoint\n")
+
+
+def _run(args: str, scratch: Path) -> tuple[int, str]:
+    argv = args.replace("<tmp>", str(scratch)).split()
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_pp_ext", *argv], capture_output=True, text=True, timeout=300
+    )
+    return done.returncode, done.stderr
+
+
+@pytest.mark.slow
+def test_every_bad_input_is_one_line_naming_its_flag_and_exit_2(tmp_path: Path) -> None:
+    _scratch(tmp_path)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda case: _run(case[0], tmp_path), CASES))
+    assert len(CASES) >= 40
+    rows, problems = [], []
+    for (args, flag), (code, stderr) in zip(CASES, results):
+        last = (stderr.strip().splitlines() or [""])[-1]
+        if code != 2 or "Traceback" in stderr or flag not in last or " error: " not in last:
+            problems.append(
+                f"{args}: exit {code}, last line {last!r}{' (traceback)' if 'Traceback' in stderr else ''}"
+            )
+        rows.append(f"| `{args}` | {code} | {last.replace(str(tmp_path), '<tmp>').replace('|', '/')} |")
+    table = "\n".join(
+        [
+            "# Bad input: what a user gets",
+            "",
+            "Written by `tests/test_bad_inputs.py` (each line is the last line of stderr; every case",
+            "exits 2 before any process starts, with no traceback). `<tmp>` is the test's scratch folder.",
+            "",
+            "| input | exit | message |",
+            "|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
+    (ROOT / "docs" / "bad_inputs.md").write_text(table)
+    assert not problems, "\n".join(problems)
