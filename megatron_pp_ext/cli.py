@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from . import quiet
 from .commands.errors import UsageError
 
 # command name -> module under megatron_pp_ext.commands with add_parser(subparsers)
@@ -41,6 +43,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # before any megatron-core import: here and in the processes this command starts
+    if "--verbose" in argv:
+        os.environ.pop(quiet.QUIET_VARIABLE, None)
+    else:
+        os.environ[quiet.QUIET_VARIABLE] = "1"
+        quiet.install()
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:

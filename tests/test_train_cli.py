@@ -232,3 +232,17 @@ def test_transformer_engine_is_used_where_it_can_run_the_schedule(monkeypatch, c
     assert local.use_te(splits_backward=False) is False
     monkeypatch.setattr(layer_spec, "te_available", lambda: False)
     assert settings.use_te(splits_backward=False) is False
+
+
+@pytest.mark.slow
+def test_the_main_job_starts_quietly_and_verbose_shows_megatron_warnings() -> None:
+    """The README's main job prints at most 5 lines on stderr before (and here, through) its
+    steps: megatron-core's known import warnings are filtered in every process (quiet.py);
+    ``--verbose`` shows them again."""
+    quiet = train("--pp-schedule", "zb-h1", "--train-iters", "2", timeout=300)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    lines = quiet.stderr.strip().splitlines()
+    assert len(lines) <= 5, quiet.stderr[-3000:]
+    assert "Apex is not installed" not in quiet.stderr
+    verbose = train("--pp-schedule", "zb-h1", "--train-iters", "2", "--verbose", timeout=300)
+    assert verbose.returncode == 0 and "Apex is not installed" in verbose.stderr, verbose.stderr[-2000:]

@@ -37,6 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run our schedules under NCCL's rules imposed on gloo (as train's flag; slower)",
     )
+    parser.add_argument(
+        "--verbose", action="store_true", help="also show megatron-core's start-up warnings (quiet.py)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--save", help="also write the JSON results to this file")
     parser.set_defaults(run=run)

@@ -169,6 +169,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--clip-grad", type=float, help="clip gradients to this global L2 norm (0: no clipping)"
     )
+    parser.add_argument(
+        "--verbose", action="store_true", help="also show megatron-core's start-up warnings (quiet.py)"
+    )
     parser.add_argument("--seed", type=int, help="random seed (weights and data)")
     parser.add_argument("--data", help="a text file to train on (default: Python stdlib docstrings)")
     parser.add_argument("--metrics", help="write per-iteration metrics here as JSON lines")
