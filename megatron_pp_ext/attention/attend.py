@@ -39,7 +39,6 @@ class SdpaAttend:
 
 
 @functools.cache
-@functools.cache
 def flex_available() -> bool:
     """FlexAttention with ``return_aux`` (its lse as a differentiable output), which the partial
     attention of sliced attention needs: torch 2.9 and later (older images, e.g. NGC 25.03's
@@ -51,6 +50,7 @@ def flex_available() -> bool:
     return True
 
 
+@functools.cache
 def _flex_fn(device_type: str) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
