@@ -343,12 +343,8 @@ def check(settings: TrainSettings) -> None:
             f"{', '.join(model.unsupported())}: train it with Megatron-LM's pretrain_gpt.py "
             "(scripts/slurm/launch.sh), or study it with simulate --model",
         )
-    for flag, value in (
-        ("--train-iters", settings.iterations),
-        ("--micro-batch-size", settings.micro_batch_size),
-    ):
-        if value < 1:
-            raise UsageError(flag, f"needs at least 1, got {value}")
+    if settings.iterations < 1:  # (--micro-batch-size and the parallel sizes: resolve_layout)
+        raise UsageError("--train-iters", f"needs at least 1, got {settings.iterations}")
     if not settings.lr > 0:
         raise UsageError("--lr", f"must be positive, got {settings.lr}")
     if not settings.pipeline.p2p_timeout > 0:
@@ -565,8 +561,6 @@ def _check_cp_length(length: int, settings: TrainSettings, flag: str, what: str)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from .. import launch
 
     settings = load_settings(args)
@@ -583,18 +577,11 @@ def run(args: argparse.Namespace) -> int:
         )
     settings = resolve_layout(settings, None if world is None else world[1])
     check(settings)
-    ranks = settings.tp * settings.cp * settings.pp * settings.dp
-    if world is None:  # this command starts the ranks here: as many as there are GPUs at most
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        try:
-            launch.check_gpus(
-                ranks,
-                gpus,
-                f" (TP x CP x PP x DP = {settings.tp} x {settings.cp} x {settings.pp} x {settings.dp})",
-            )
-        except launch.LaunchError as error:
-            raise UsageError("--pipeline-model-parallel-size", str(error)) from None
-    launch.run(worker, ranks, settings)
+    try:  # launch refuses more ranks than GPUs before it starts any (check_gpus)
+        launch.run(worker, settings.tp * settings.cp * settings.pp * settings.dp, settings)
+    except launch.LaunchError as error:
+        layout = f"TP x CP x PP x DP = {settings.tp} x {settings.cp} x {settings.pp} x {settings.dp}"
+        raise UsageError("--pipeline-model-parallel-size", f"{error} ({layout})") from None
     return 0
 
 
