@@ -16,9 +16,12 @@ import time
 from typing import Any
 
 from ..planner import devices
-from ..planner.emit import megatron_flags, sbatch
+from ..planner.emit import megatron_flags, parallel_flags, sbatch
+from ..planner.megatron_args import ArgsError, read_args, read_sbatch
 from ..planner.model import SHAPE_FLAGS, ModelError, resolve
-from ..planner.report import summary
+from ..planner.pins import PinError, Pins
+from ..planner.predict import predict_and_compare
+from ..planner.report import prediction, summary
 from ..planner.search import SearchResult, search
 from ..planner.step import Problem
 from ..schedule.generators import SCHEDULES
@@ -36,13 +39,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", help="a config name (configs/), a config's YAML file, or a preset")
     parser.add_argument("--seq-length", type=int, help="tokens per sequence (default: the config's)")
     parser.add_argument("--gpus", type=int, help="GPUs in the job")
-    parser.add_argument("--gpu", default="h100-80gb", choices=list(devices.PROFILES), help="GPU model")
+    parser.add_argument(
+        "--gpu",
+        choices=list(devices.PROFILES),
+        help="GPU model (default h100-80gb, or an sbatch file's cluster)",
+    )
     parser.add_argument("--profile", help="a device profile JSON (from --calibrate) instead of --gpu")
     parser.add_argument(
         "--global-batch-size", type=int, help="sequences per step (default: 4M tokens' worth, at least 1)"
     )
-    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink domain)")
+    parser.add_argument("--micro-batch-size", type=int, help="sequences per microbatch (default 1)")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node, the NVLink domain (default 8)")
     parser.add_argument("--top", type=int, default=10, help="plans to show")
     parser.add_argument("--schedules", help="comma-separated schedules to consider (default: all)")
     parser.add_argument("--max-simulations", type=int, default=300, help="simulations the search may run")
@@ -52,6 +59,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--output", help="with --emit sbatch or --calibrate: the file to write")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's GPU into --output")
+    given = parser.add_argument_group("a given run: predict it and show the best alternative")
+    given.add_argument(
+        "--from-args", metavar="COMMAND", help="a pretrain_gpt.py command line (torchrun's too)"
+    )
+    given.add_argument("--from-sbatch", metavar="FILE", help="one of scripts/slurm's sbatch files")
+    pins = parser.add_argument_group("pins: Megatron's layout flags fix that part; the rest is searched")
+    for flag in (
+        "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+        "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank", "--pp-chunks",
+        "--recompute-num-layers", "--pp-seq-slices",
+    ):  # fmt: skip
+        pins.add_argument(flag, type=int)
+    pins.add_argument("--sequence-parallel", action="store_true", default=None)
+    pins.add_argument("--use-distributed-optimizer", action="store_true", default=None)
+    pins.add_argument("--tp-comm-overlap", action="store_true", help="Transformer Engine's TP overlap")
+    pins.add_argument("--recompute-granularity", choices=("full", "selective"))
+    pins.add_argument("--recompute-method", choices=("uniform", "block"))
+    pins.add_argument("--pp-schedule", choices=list(SCHEDULES))
+    pins.add_argument("--pp-offload", choices=("none", "auto", "full", "selective"))
+    pins.add_argument("--pp-vocab-parallel", help="not modelled by the planner yet (refused)")
     shape = parser.add_argument_group("Megatron's shape flags (override the model's)")
     for flag in SHAPE_FLAGS:
         shape.add_argument(flag, type=int, default=None)
@@ -62,7 +89,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         return calibrate(args)
+    if args.from_args is not None or args.from_sbatch is not None:
+        return predict_run(args)
     problem, spec = problem_from_args(args)
+    pins = pins_from_args(args, problem)
     progress = Progress()
     result = search(
         problem,
@@ -70,10 +100,12 @@ def run(args: argparse.Namespace) -> int:
         schedules=schedules_from_args(args),
         max_simulations=args.max_simulations,
         progress=progress,
+        pins=pins,
     )
     progress.done()
     if not result.plans:
-        raise UsageError("--gpus", no_plan_message(problem, spec.name, result), flag_in_message=True)
+        flag = pins.pinned[0] if pins.pinned else "--gpus"
+        raise UsageError(flag, no_plan_message(problem, spec.name, result, pins), flag_in_message=True)
     if args.emit == "flags":
         print(shlex.join(megatron_flags(spec, result.plans[0])))
     elif args.emit == "sbatch":
@@ -105,8 +137,8 @@ def problem_from_args(args: argparse.Namespace) -> tuple[Problem, Any]:
     for flag, value in (
         ("--seq-length", seq),
         ("--gpus", args.gpus),
-        ("--micro-batch-size", args.micro_batch_size),
-        ("--gpus-per-node", args.gpus_per_node),
+        ("--micro-batch-size", micro_batch := args.micro_batch_size or 1),
+        ("--gpus-per-node", gpus_per_node := args.gpus_per_node or 8),
         ("--top", args.top),
     ):
         if value is None:
@@ -116,9 +148,9 @@ def problem_from_args(args: argparse.Namespace) -> tuple[Problem, Any]:
     if args.global_batch_size is not None and args.global_batch_size < 1:
         raise UsageError("--global-batch-size", f"must be at least 1, got {args.global_batch_size}")
     batch = args.global_batch_size or max(1, DEFAULT_TOKENS_PER_STEP // seq)
-    if batch % args.micro_batch_size:
+    if batch % micro_batch:
         raise UsageError(
-            "--global-batch-size", f"{batch} is not a multiple of --micro-batch-size {args.micro_batch_size}"
+            "--global-batch-size", f"{batch} is not a multiple of --micro-batch-size {micro_batch}"
         )
     return (
         Problem(
@@ -127,16 +159,119 @@ def problem_from_args(args: argparse.Namespace) -> tuple[Problem, Any]:
             gpus=args.gpus,
             profile=profile_from_args(args),
             global_batch=batch,
-            micro_batch=args.micro_batch_size,
-            gpus_per_node=min(args.gpus_per_node, args.gpus),
+            micro_batch=micro_batch,
+            gpus_per_node=min(gpus_per_node, args.gpus),
         ),
         spec,
     )
 
 
-def profile_from_args(args: argparse.Namespace) -> devices.DeviceProfile:
+def predict_run(args: argparse.Namespace) -> int:
+    """``--from-args`` / ``--from-sbatch``: predict that run, then show the best alternative.
+    Exit 2 when the run cannot run (one line) or does not fit (the full report)."""
+    if args.from_args is not None and args.from_sbatch is not None:
+        raise UsageError("--from-sbatch", "give --from-args or --from-sbatch, not both")
+    source = "--from-args" if args.from_args is not None else "--from-sbatch"
+    if args.model:
+        raise UsageError("--model", f"the model comes from {source}'s command line: leave --model out")
+    try:
+        run = read_args(args.from_args) if args.from_args is not None else read_sbatch(args.from_sbatch)
+    except ArgsError as error:
+        raise UsageError(error.flag, str(error)) from None
+    gpus = args.gpus or run.gpus
+    if gpus is None:
+        raise UsageError(
+            "--gpus",
+            f"{source}'s line does not say how many GPUs (no torchrun --nproc-per-node/--nnodes): "
+            "add --gpus N",
+        )
+    per_node = min(args.gpus_per_node or run.gpus_per_node or 8, gpus)
+    pins = run.pins
+    model_parallel = (pins.tp or 1) * (pins.cp or 1) * (pins.pp or 1)
+    if gpus % model_parallel:
+        raise UsageError(
+            "--tensor-model-parallel-size",
+            f"TP {pins.tp} x CP {pins.cp} x PP {pins.pp} = {model_parallel} does not divide the {gpus} GPUs "
+            f"({'--gpus' if args.gpus else 'from the launcher'})",
+        )
+    batch = run.global_batch or run.micro_batch * gpus // model_parallel
+    problem = Problem(
+        run.shape,
+        run.seq_length,
+        gpus,
+        profile_from_args(args, run.cluster),
+        batch,
+        run.micro_batch,
+        per_node,
+    )
+    try:
+        result = predict_and_compare(problem, pins, args.max_simulations, args.top)
+    except PinError as error:
+        raise UsageError(error.flag, str(error)) from None
+    if args.json:
+        alternative = result.alternative
+        print(
+            json.dumps(
+                {
+                    "run": result.run.to_dict(),
+                    "alternative": alternative.to_dict() if alternative else None,
+                    "alternative_flags": parallel_flags(alternative) if alternative else None,
+                    "speedup": result.speedup,
+                    "notes": run.notes,
+                }
+            )
+        )
+    else:
+        title = (
+            f"{run.shape.name} at {problem.seq_length} tokens on {gpus} x {problem.profile.name} "
+            f"({per_node} per node), global batch {batch}"
+        )
+        print(prediction(result, title, run.notes))
+    return 0 if result.run.fits else 2
+
+
+def pins_from_args(args: argparse.Namespace, problem: Problem) -> Pins:
+    """The layout flags given on the command line as pins (none given: a free search)."""
+    if args.pp_vocab_parallel not in (None, "none"):
+        raise UsageError(
+            "--pp-vocab-parallel", "is not modelled by the planner yet: leave it out to plan the rest"
+        )
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        raise UsageError("--recompute-method", "needs --recompute-granularity full")
+    block = args.recompute_method == "block"
+    if args.recompute_num_layers is not None and not block:
+        raise UsageError(
+            "--recompute-num-layers",
+            "is pinned with --recompute-method block (uniform recomputes every layer)",
+        )
+    vpp_flag = "--pp-chunks" if args.pp_chunks is not None else "--num-virtual-stages-per-pipeline-rank"
+    try:
+        pins = Pins(
+            tp=args.tensor_model_parallel_size,
+            cp=args.context_parallel_size,
+            pp=args.pipeline_model_parallel_size,
+            vpp=args.num_virtual_stages_per_pipeline_rank or args.pp_chunks,
+            layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+            sequence_parallel=args.sequence_parallel,
+            distributed_optimizer=args.use_distributed_optimizer,
+            recompute=args.recompute_granularity,
+            recompute_layers=(args.recompute_num_layers or 1) if block else None,
+            schedule=args.pp_schedule,
+            slices=args.pp_seq_slices,
+            offload=args.pp_offload,
+            tp_comm_overlap=args.tp_comm_overlap,
+            flags={"vpp": vpp_flag},
+        )
+        pins.check(problem.shape, problem.gpus, problem.gpus_per_node)
+    except PinError as error:
+        raise UsageError(error.flag, str(error)) from None
+    return pins
+
+
+def profile_from_args(args: argparse.Namespace, cluster: str | None = None) -> devices.DeviceProfile:
     if not args.profile:
-        return devices.get_profile(args.gpu)
+        gpu = args.gpu or {"a100": "a100-80gb"}.get(cluster or "", "h100-80gb")
+        return devices.get_profile(gpu)
     try:
         return devices.load_profile(args.profile)
     except OSError as error:
@@ -157,15 +292,16 @@ def schedules_from_args(args: argparse.Namespace) -> list[str] | None:
     return names
 
 
-def no_plan_message(problem: Problem, name: str, result: SearchResult) -> str:
+def no_plan_message(problem: Problem, name: str, result: SearchResult, pins: Pins | None = None) -> str:
     """One line: no layout works, and the commonest reasons why."""
     reasons = "; ".join(
         f"{reason} x{count} (e.g. {result.examples[reason]})"
         for reason, count in result.rejected.most_common(2)
     )
+    pinned = f" with {', '.join(pins.pinned)} pinned" if pins and pins.pinned else ""
     return (
         f"no plan for {name} at {problem.seq_length} tokens on --gpus {problem.gpus} x "
-        f"{problem.profile.name}: {reasons or 'no layout to try'}"
+        f"{problem.profile.name}{pinned}: {reasons or 'no layout to try'}"
     )
 
 
@@ -188,7 +324,7 @@ def calibrate(args: argparse.Namespace) -> int:
     from ..planner.calibrate import calibrate as measure
 
     try:
-        profile = measure(devices.get_profile(args.gpu))
+        profile = measure(devices.get_profile(args.gpu or "h100-80gb"))
     except NoGPU as error:
         raise UsageError("--calibrate", str(error)) from None
     output = args.output or "gpu-profile.json"

@@ -16,8 +16,13 @@ offload bytes, FLOPs for MFU) and computes durations itself, per layer and slice
   as Megatron's asynchronous backward does;
 * the plugin's context parallelism: the slice's K/V all-gathered over CP in F, their gradient
   reduce-scatterred in B, not overlapped;
-* full recomputation (Megatron's ``--recompute-granularity full``): B (or BW) reruns F first,
-  and a unit keeps only its layers' inputs.
+* recomputation: ``full`` (Megatron's ``--recompute-granularity full``): B (or BW) reruns F of
+  the recomputed layers first (every layer, or with ``--recompute-method block`` the first
+  ``recompute_layers`` of each stage), and those layers keep only their inputs; ``selective``
+  (Megatron's core-attention recompute): B reruns the attention forward, memory as without (the
+  flash kernel already keeps no score matrix);
+* Transformer Engine's ``--tp-comm-overlap``: each SP all-gather or reduce-scatter runs in chunks
+  beside the GEMM it feeds or drains, so only what the GEMMs cannot cover is exposed.
 
 Pipeline messages take the link between neighbouring pipeline ranks; activation copies the GPU's
 PCIe link.
@@ -37,19 +42,21 @@ from .devices import DeviceProfile
 from .kernels import Kernels
 from .layout import Layout
 
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
 FORWARD_KERNELS = 10  # bandwidth-bound launches per layer besides GEMMs and attention
 BACKWARD_KERNELS = 20
 
 
 @dataclass(frozen=True)
 class LayerTimes:
-    """Seconds one layer takes on one rank for one slice, by op kind (recompute included)."""
+    """Seconds one layer takes on one rank for one slice, by op kind (recomputation not included:
+    ``recompute`` is the F a recomputed layer reruns inside its B or BW)."""
 
     forward: float
     backward: float
     weight: float
     fused: float
+    recompute: float = 0.0
 
 
 class PlanCosts:
@@ -65,6 +72,8 @@ class PlanCosts:
         micro_batch_size: int = 1,
         recompute: str = "none",
         layers_per_stage: list[int] | None = None,
+        recompute_layers: int | None = None,
+        tp_comm_overlap: bool = False,
     ) -> None:
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -86,6 +95,8 @@ class PlanCosts:
         self.shape, self.layout, self.profile = shape, layout, profile
         self.kernels = Kernels(profile)
         self.recompute = recompute
+        self.recompute_layers = recompute_layers  # None: every layer (full); N: the first N per stage
+        self.tp_comm_overlap = tp_comm_overlap
         self.micro_batch_size = micro_batch_size
         self.lengths = lengths
         self.ends = [sum(lengths[: j + 1]) for j in range(len(lengths))]
@@ -135,15 +146,23 @@ class PlanCosts:
         if self.layout.cp > 1:
             gathered = self.micro_batch_size * self.lengths[j] * 2 * s.kv_width / t * e
             cp = k.collective(gathered, self.layout.cp, self.layout.cp_intra)
-        forward = gemm + attention_f + elementwise + 4 * tp + cp + FORWARD_KERNELS * overhead
+        if not self.layout.parallel.sp:
+            weight_tp = 0.0  # without SP every rank keeps the whole layer input for W
+        else:
+            weight_tp = 2 * tp
+        if self.tp_comm_overlap:  # chunked beside the GEMMs: only what they cannot cover shows
+            forward_tp, backward_tp, fused_tp = (max(0.0, 4 * tp - gemm),) * 2 + (
+                max(0.0, 4 * tp - 2 * gemm),
+            )
+        else:
+            forward_tp, backward_tp, fused_tp = 4 * tp, 4 * tp, 2 * tp + max(0.0, 4 * tp - 2 * gemm)
+        forward = gemm + attention_f + elementwise + forward_tp + cp + FORWARD_KERNELS * overhead
         backward_common = attention_b + 2 * elementwise + cp + BACKWARD_KERNELS * overhead
-        backward = gemm + backward_common + 4 * tp
-        weight = gemm + 2 * tp
-        fused = 2 * gemm + backward_common + 2 * tp + max(0.0, 4 * tp - 2 * gemm)
-        if self.recompute == "full":
-            backward += forward
-            fused += forward
-        return LayerTimes(forward, backward, weight, fused)
+        backward = gemm + backward_common + backward_tp
+        weight = gemm + weight_tp
+        fused = 2 * gemm + backward_common + fused_tp
+        recompute = {"none": 0.0, "selective": attention_f, "full": forward}[self.recompute]
+        return LayerTimes(forward, backward, weight, fused, recompute)
 
     def _head_times(self, j: int) -> LayerTimes:
         """Final norm, output layer and cross-entropy of slice j on the last stage."""
@@ -169,7 +188,10 @@ class PlanCosts:
         if not op.is_compute:
             return 0.0
         field = {OpKind.F: "forward", OpKind.B: "backward", OpKind.W: "weight", OpKind.BW: "fused"}[op.kind]
-        total = self.layers[op.stage] * getattr(self._layer[op.slice], field)
+        times = self._layer[op.slice]
+        total = self.layers[op.stage] * getattr(times, field)
+        if op.kind in (OpKind.B, OpKind.BW):
+            total += self.recomputed_layers(op.stage) * times.recompute
         if op.stage == self.num_stages - 1:
             total += getattr(self._head[op.slice], field)
         return total
@@ -192,15 +214,39 @@ class PlanCosts:
             self._activation[key] = self._activation_of(op)
         return self._activation[key]
 
+    def recomputed_layers(self, stage: int) -> int:
+        """Layers of ``stage`` that full recomputation reruns (Megatron's uniform method: all of
+        them; block: the first ``recompute_layers``); selective reruns attention in every layer."""
+        layers = self.layers[stage]
+        if self.recompute == "none":
+            return 0
+        if self.recompute == "selective" or self.recompute_layers is None:
+            return layers
+        return min(layers, self.recompute_layers)
+
     def _activation_of(self, op: Op) -> float:
-        if self.recompute == "full":
-            parallel = self.layout.parallel
-            per_token = self.layers[op.stage] * self.shape.hidden * self.shape.bytes_per_element
-            per_token /= parallel.sequence_split
-            if op.stage == self.num_stages - 1:
-                per_token += parallel.activation(head_activation_parts(self.shape))
-            return per_token * self._tokens(op)
-        return self.base.activation(op) + self._cp_cache_bytes(op)
+        full = self.base.activation(op) + self._cp_cache_bytes(op)
+        if self.recompute != "full":
+            return full
+        layers = self.layers[op.stage]
+        recomputed = self.recomputed_layers(op.stage)
+        parallel = self.layout.parallel
+        inputs = recomputed * self.shape.hidden * self.shape.bytes_per_element / parallel.sequence_split
+        if recomputed == layers:  # nothing but the layer inputs (and the head) is kept
+            head = (
+                parallel.activation(head_activation_parts(self.shape))
+                if op.stage == self.num_stages - 1
+                else 0
+            )
+            return (inputs + head) * self._tokens(op)
+        kept = (layers - recomputed) / layers
+        body = self.base.activation(op)
+        if op.stage == self.num_stages - 1:
+            head = parallel.activation(head_activation_parts(self.shape)) * self._tokens(op)
+            body -= head
+        else:
+            head = 0.0
+        return body * kept + head + inputs * self._tokens(op) + self._cp_cache_bytes(op) * kept
 
     def weight_share(self, op: Op) -> float:
         key = (op.stage, op.slice)

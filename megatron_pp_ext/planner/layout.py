@@ -23,6 +23,8 @@ class Layout:
     pp: int
     dp: int
     gpus_per_node: int = 8
+    sequence_parallel: bool = True  # with TP > 1 (``--sequence-parallel``)
+    distributed_optimizer: bool = True  # with DP x CP > 1 (``--use-distributed-optimizer``)
 
     @property
     def gpus(self) -> int:
@@ -50,19 +52,24 @@ class Layout:
 
     @property
     def parallel(self) -> Parallelism:
-        """Megatron's sizes for the memory model: sequence parallel whenever TP > 1 (it cuts the
-        replicated activations at no extra communication), distributed optimizer whenever the
-        state can be sharded."""
+        """Megatron's sizes for the memory model. The search's layouts use sequence parallelism
+        whenever TP > 1 (it cuts the replicated activations at no extra communication) and the
+        distributed optimizer whenever the state can be sharded; a pinned run may turn either off."""
         return Parallelism(
             tp=self.tp,
-            sp=self.tp > 1,
+            sp=self.tp > 1 and self.sequence_parallel,
             cp=self.cp,
             dp=self.dp,
-            distributed_optimizer=self.dp * self.cp > 1,
+            distributed_optimizer=self.dp * self.cp > 1 and self.distributed_optimizer,
         )
 
     def label(self) -> str:
-        return f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp}"
+        text = f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp}"
+        if self.tp > 1 and not self.sequence_parallel:
+            text += " no-SP"
+        if self.dp * self.cp > 1 and not self.distributed_optimizer:
+            text += " no-distopt"
+        return text
 
 
 def divisors(n: int) -> list[int]:

@@ -10,12 +10,16 @@ the error is the same whether read as time, TFLOP/s or MFU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..schedule.memory_model import padded_vocab
 from ..schedule.models import ModelShape
 from .devices import DeviceProfile, get_profile
 from .layout import Layout
-from .step import Candidate, PlanResult, Problem, evaluate
+from .pins import Pins
+from .predict import predict as predict_pinned
+from .search import chunk_options, search
+from .step import PlanResult, Problem
 
 
 def gpt(name: str, layers: int, hidden: int, heads: int) -> ModelShape:
@@ -36,11 +40,34 @@ class PublishedRun:
     global_batch: int
     micro_batch: int
     schedule: str
-    vpp: int
+    vpp: int | None  # None: not published, the best of Megatron's own schedules' chunk counts
     recompute: str
     published: str  # what the authors report, as they report it
     published_step: float  # seconds per step derived from it (see ``derivation``)
     derivation: str
+    tp_comm_overlap: bool = False
+
+    def pins(self) -> Pins:
+        lay = self.layout
+        return Pins(
+            tp=lay.tp,
+            cp=lay.cp,
+            pp=lay.pp,
+            vpp=self.vpp,
+            sequence_parallel=lay.sequence_parallel and lay.tp > 1,
+            distributed_optimizer=lay.distributed_optimizer,
+            recompute=self.recompute,
+            schedule=None if self.vpp is None else self.schedule,
+            tp_comm_overlap=self.tp_comm_overlap,
+            even_layers=self.shape.layers % lay.pp == 0,
+        )
+
+    def label(self) -> str:
+        lay = self.layout
+        chunks = "v best" if self.vpp is None else f"v{self.vpp}"
+        schedule = "Megatron's 1f1b or interleaved" if self.vpp is None else self.schedule
+        extra = ", TP overlap" if self.tp_comm_overlap else ""
+        return f"TP{lay.tp} PP{lay.pp} DP{lay.dp} {schedule} {chunks}, recompute {self.recompute}{extra}"
 
 
 def narayanan_step(shape: ModelShape, batch: int, seq: int, tflops: float, gpus: int) -> float:
@@ -51,9 +78,22 @@ def narayanan_step(shape: ModelShape, batch: int, seq: int, tflops: float, gpus:
     return flops / (tflops * 1e12 * gpus)
 
 
+def megatron_2024_flops(shape: ModelShape, batch: int, seq: int) -> float:
+    """Megatron-LM's own count when its H100 table was measured (``num_floating_point_operations``
+    in megatron/training/training.py at commit f2e5db4, July 2024, the table's commit): 12 B s L h^2
+    ((1 + g/a + s/h) ad/h + f/h x 3/2 if SwiGLU + V/(2 L h)), forward and backward, attention over
+    all s^2 (query, key) pairs (later releases halve it for the causal mask)."""
+    h, layers = shape.hidden, shape.layers
+    attention = (1 + shape.kv_heads / shape.heads + seq / h) * shape.q_width / h
+    mlp = shape.ffn / h * (1.5 if shape.gated else 1.0)
+    logits = padded_vocab(shape.vocab, 1) / (2 * layers * h)
+    return 12 * batch * seq * layers * h * h * (attention + mlp + logits)
+
+
 _K22 = "Korthikanti et al. 2022 (arXiv 2205.05198) Table 5, configs Table 3; Megatron-LM README"
 _N21 = "Narayanan et al. 2021 (arXiv 2104.04473) Table 1"
 _L3 = "Llama 3 (Dubey et al. 2024, arXiv 2407.21783) Table 4"
+_M24 = "Megatron-LM README (commit f2e5db4, July 2024), images/model_table.png"
 
 
 def published_runs() -> list[PublishedRun]:
@@ -83,7 +123,8 @@ def published_runs() -> list[PublishedRun]:
                 "the published iteration time (Table 5)",
             )
         )
-    # Narayanan: full recomputation, A100 80GB, s = 2048, with data parallelism.
+    # Narayanan: full recomputation, A100 80GB, s = 2048, with data parallelism; 2021's Megatron
+    # had neither sequence parallelism nor the distributed optimizer.
     for shape, t, p, gpus, micro, batch, tflops in (
         (gpt("gpt-145b", 80, 12288, 96), 8, 8, 1536, 2, 2304, 148),
         (gpt("gpt-310b", 96, 16384, 128), 8, 16, 1920, 1, 2160, 155),
@@ -96,7 +137,7 @@ def published_runs() -> list[PublishedRun]:
                 shape,
                 "a100-80gb",
                 2048,
-                Layout(t, 1, p, gpus // (t * p)),
+                Layout(t, 1, p, gpus // (t * p), sequence_parallel=False, distributed_optimizer=False),
                 batch,
                 micro,
                 "1f1b",
@@ -128,6 +169,42 @@ def published_runs() -> list[PublishedRun]:
                 "6N + causal attention FLOPs per token / (TFLOP/s x GPUs)",
             )
         )
+    # Megatron-LM's H100 weak-scaling table: GPT models, V 131072, s 4096, DP 48, BF16, with
+    # --overlap-grad-reduce --overlap-param-gather (so the distributed optimizer), --tp-comm-overlap
+    # (so sequence parallelism). Micro-batch size and schedule are not published: Megatron's
+    # defaults, 1 and 1F1B (no --num-layers-per-virtual-pipeline-stage), as --from-args reads a
+    # command line that does not give them.
+    for name, heads, hidden, layers, t, p, batch, tflops in (
+        ("gpt-1.7b", 16, 2048, 24, 1, 1, 192, 408.8),
+        ("gpt-7.1b", 32, 4096, 30, 2, 1, 192, 465.9),
+        ("gpt-16b", 48, 6144, 32, 4, 1, 192, 489.1),
+        ("gpt-32b", 56, 7168, 48, 8, 1, 192, 459.6),
+        ("gpt-70b", 64, 8192, 84, 8, 2, 384, 419.7),
+        ("gpt-119b", 80, 10240, 92, 8, 4, 768, 420.5),
+        ("gpt-177b", 96, 12288, 96, 8, 6, 1152, 432.8),
+        ("gpt-314b", 128, 16384, 96, 8, 8, 1536, 474.4),
+        ("gpt-462b", 144, 18432, 112, 8, 16, 3072, 459.9),
+    ):
+        shape = replace(gpt(name, layers, hidden, heads), vocab=131072)
+        gpus = t * p * 48
+        runs.append(
+            PublishedRun(
+                _M24,
+                shape,
+                "h100-80gb",
+                4096,
+                Layout(t, 1, p, 48),
+                batch,
+                1,
+                "1f1b",
+                1,
+                "none",
+                f"{tflops} TFLOP/s per GPU",
+                megatron_2024_flops(shape, batch, 4096) / (tflops * 1e12 * gpus),
+                "Megatron-LM's 2024 FLOP count / (TFLOP/s x GPUs)",
+                tp_comm_overlap=t > 1,
+            )
+        )
     return runs
 
 
@@ -140,9 +217,8 @@ def _attention_flops(shape: ModelShape, seq: int) -> float:
     return 3 * shape.layers * shape.attention_flops_per_pair() * seq * (seq + 1) / 2
 
 
-def predict(run: PublishedRun, profile: DeviceProfile | None = None) -> PlanResult:
-    """The run's configuration through the planner's cost model and simulator (every microbatch)."""
-    problem = Problem(
+def problem_of(run: PublishedRun, profile: DeviceProfile | None = None) -> Problem:
+    return Problem(
         run.shape,
         run.seq_length,
         run.layout.gpus,
@@ -150,9 +226,25 @@ def predict(run: PublishedRun, profile: DeviceProfile | None = None) -> PlanResu
         run.global_batch,
         run.micro_batch,
     )
-    candidate = Candidate(run.layout, run.schedule, run.vpp, 1, "none", run.recompute)
-    full = run.layout.pp * run.vpp * problem.global_batch <= 40_000
-    return evaluate(problem, candidate, full=full, check_memory=False)
+
+
+def predict(run: PublishedRun, profile: DeviceProfile | None = None) -> PlanResult:
+    """The run's configuration through the planner's cost model and simulator, pinned as
+    published (every microbatch replayed). Chunks per rank that the source does not give are
+    searched over Megatron's own schedules (1F1B and interleaved), as a tuned run would pick them."""
+    problem = problem_of(run, profile)
+    if run.vpp is not None:
+        return predict_pinned(problem, run.pins())
+    result = search(problem, top=1, schedules=["1f1b", "interleaved-1f1b"], pins=run.pins())
+    if result.plans:
+        return result.plans[0]
+    # nothing fits by our accounting: the fastest of the choices, memory not checked
+    plans = [
+        predict_pinned(problem, replace(run.pins(), schedule=name, vpp=vpp))
+        for name in ("1f1b", "interleaved-1f1b")
+        for vpp in ([1] if name == "1f1b" else chunk_options(name, run.shape.layers, run.layout.pp))
+    ]
+    return min(plans, key=lambda plan: plan.step_time)
 
 
 # SlimPipe (arXiv 2504.14519) on 256 Hopper 80GB GPUs, Llama 70B: (seq, t, c, p, d, slices, chunks)
@@ -170,8 +262,9 @@ def main() -> None:
     for run in published_runs():
         plan = predict(run)
         error = plan.step_time / run.published_step - 1
-        lay = run.layout
-        layout = f"TP{lay.tp} PP{lay.pp} DP{lay.dp} {run.schedule} v{run.vpp}, recompute {run.recompute}"
+        layout = run.label()
+        if run.vpp is None:
+            layout += f" (predicted: {plan.candidate.schedule} v{plan.candidate.vpp})"
         print(
             f"| {run.source.split(' (')[0]} | {run.shape.name} | {layout} | {run.published} | "
             f"{run.published_step:.2f} | {plan.step_time:.2f} | {error:+.1%} |"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .emit import parallel_flags
+from .predict import Prediction
 from .search import SearchResult
 from .step import PlanResult
 
@@ -68,4 +70,47 @@ def rejections(result: SearchResult) -> str:
     ]
     for reason, count in result.rejected.most_common():
         lines.append(f"  {reason}: {count} (e.g. {result.examples[reason]})")
+    return "\n".join(lines)
+
+
+def plan_lines(plan: PlanResult) -> list[str]:
+    """A plan's prediction: throughput, memory by part, where the step goes."""
+    parts = plan.memory.to_gib()
+    capacity = plan.problem.profile.memory_bytes / 2**30
+    fits = "fits" if plan.fits else "DOES NOT FIT"
+    return [
+        f"  {plan.step_time:.3f} s/step, {plan.tokens_per_s_per_gpu:.0f} tokens/s per GPU, "
+        f"{plan.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {plan.mfu:.1%}, bubble {plan.bubble:.3f}",
+        f"  memory per GPU: {parts['total']:.1f} GiB of {capacity:.1f} ({fits}) = "
+        f"weights {parts['weights']:.1f} + "
+        f"gradients {parts['gradients']:.1f} + optimizer {parts['optimizer']:.1f} + activations "
+        f"{parts['activations']:.1f} + communication buffers {parts['comm_buffers']:.1f} + reserved "
+        f"{parts['reserved']:.1f}",
+        f"  step = pipeline {plan.pipeline_time:.3f} s + exposed gradient sync "
+        f"{plan.grad_sync_exposed:.3f} s + optimizer {plan.optimizer_time:.3f} s; "
+        f"{plan.microbatches} microbatches of {plan.problem.micro_batch} "
+        "per DP rank",
+        *(f"  note: {note}" for note in plan.notes),
+    ]
+
+
+def prediction(result: Prediction, title: str, notes: list[str]) -> str:
+    """``plan --from-args``: the run, then the best alternative and the flags that get it."""
+    run = result.run
+    lines = [title, f"the run: {run.candidate.label()}", *plan_lines(run)]
+    lines += [f"  note: {note}" for note in notes]
+    alternative = result.alternative
+    if alternative is None:
+        if result.search.plans:
+            lines.append("best alternative: none faster found (the search's best is this run or slower)")
+        else:
+            lines.append("best alternative: the search found no plan that fits")
+    else:
+        gain = f"{result.speedup:.2f}x the run's throughput" if run.fits else "the run does not fit"
+        lines += [
+            f"best alternative: {alternative.candidate.label()} ({gain})",
+            *plan_lines(alternative),
+            "  flags: " + " ".join(parallel_flags(alternative)),
+        ]
+    lines.append(rejections(result.search))
     return "\n".join(lines)

@@ -23,7 +23,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from types import SimpleNamespace
 
@@ -32,7 +32,8 @@ from ..schedule.ir import Placement
 from ..schedule.memory_model import stage_layers, static_memory
 from ..schedule.partition import PartitionError
 from .costs import PlanCosts
-from .layout import Layout, divisors, layout_problem, layouts
+from .layout import Layout, divisors, layout_problem
+from .pins import SLICED_FAMILIES, Pins
 from .step import (
     Candidate,
     PlanResult,
@@ -47,7 +48,6 @@ from .step import (
 MIN_SLICE = 4096  # tokens: shorter slices leave the GEMMs too small to be worth it
 MAX_SLICES = 32
 MAX_UNITS_PER_RANK = 160  # chunks x slices of one microbatch on a rank (SlimPipe's largest: 5 x 32)
-SLICED_FAMILIES = ("seq1f1b", "seq1f1b-interleaved", "slimpipe", "slimpipe-interleaved")
 
 
 @dataclass
@@ -100,17 +100,23 @@ def slice_options(name: str, seq_length: int, multiple: int, pp: int, vpp: int) 
     return options
 
 
-def pipeline_choices(problem: Problem, layout: Layout, names: list[str]) -> list[tuple[str, int, int]]:
-    """(schedule, chunks per rank, slices) for ``layout``; one pipeline rank runs 1F1B only."""
+def pipeline_choices(
+    problem: Problem, layout: Layout, names: list[str], pins: Pins | None = None
+) -> list[tuple[str, int, int]]:
+    """(schedule, chunks per rank, slices) for ``layout``, within ``pins``; one pipeline rank runs
+    1F1B only."""
+    pins = pins or Pins()
     layers = problem.shape.layers
     multiple = math.lcm(8, layout.parallel.sequence_multiple)
     choices = []
-    for name in names:
+    for name in pins.schedules(names):
         if layout.pp == 1 and name not in ("1f1b", "slimpipe"):
             continue
         for vpp in chunk_options(name, layers, layout.pp) if layout.pp > 1 else [1]:
+            if not pins.chunks_allowed(layers, layout.pp, vpp):
+                continue
             for k in slice_options(name, problem.seq_length, multiple, layout.pp, vpp):
-                if vpp * k <= MAX_UNITS_PER_RANK:
+                if vpp * k <= MAX_UNITS_PER_RANK and pins.slices_allowed(k):
                     choices.append((name, vpp, k))
     return choices
 
@@ -143,6 +149,8 @@ def bounds(problem: Problem, candidate: Candidate) -> tuple[float, float]:
         problem.micro_batch,
         candidate.recompute,
         layers,
+        candidate.recompute_layers,
+        candidate.tp_comm_overlap,
     )
     m = microbatches_of(problem, candidate.layout)
     seconds = lower_bound_time(stub, costs, m)  # type: ignore[arg-type]
@@ -157,14 +165,21 @@ def static_fits(problem: Problem, layout: Layout) -> float:
     return max(p.weights + p.gradients + p.optimizer for p in static) + problem.profile.reserved_bytes
 
 
-def memory_savers(candidate: Candidate) -> list[Candidate]:
-    """Variants that trade time for memory: offload, and full recompute where the plugin runs
-    Megatron's recompute (whole sequences, no CP, fused backward)."""
-    layout, name, vpp, k = candidate.layout, candidate.schedule, candidate.vpp, candidate.slices
-    variants = [Candidate(layout, name, vpp, k, "auto", "none")]
-    if k == 1 and layout.cp == 1 and not splits_backward(name):
-        variants += [Candidate(layout, name, vpp, k, offload, "full") for offload in ("none", "auto")]
-    return variants
+def memory_savers(candidate: Candidate, pins: Pins | None = None) -> list[Candidate]:
+    """Variants that trade time for memory, where not pinned: offload, and full recompute where
+    the plugin runs Megatron's recompute (whole sequences, no CP, fused backward)."""
+    pins = pins or Pins()
+    name, k = candidate.schedule, candidate.slices
+    offloads = [candidate.offload] if pins.offload is not None else ["none", "auto"]
+    recomputes = [candidate.recompute]
+    if pins.recompute is None and k == 1 and candidate.layout.cp == 1 and not splits_backward(name):
+        recomputes.append("full")
+    return [
+        replace(candidate, offload=offload, recompute=recompute)
+        for recompute in recomputes
+        for offload in offloads
+        if (offload, recompute) != (candidate.offload, candidate.recompute)
+    ]
 
 
 def _group(candidate: Candidate) -> tuple:
@@ -199,8 +214,8 @@ def estimated_bubble(candidate: Candidate, microbatches: int) -> float:
 class _Search:
     """The branch and bound of :func:`search` (state shared by its steps)."""
 
-    def __init__(self, problem: Problem, top: int, progress: Progress | None) -> None:
-        self.problem, self.top, self.progress = problem, top, progress
+    def __init__(self, problem: Problem, top: int, progress: Progress | None, pins: Pins) -> None:
+        self.problem, self.top, self.progress, self.pins = problem, top, progress, pins
         self.result = SearchResult(plans=[])
         self.heap: list[tuple[float, int, float, Candidate]] = []
         self.best: list[PlanResult] = []
@@ -225,9 +240,12 @@ class _Search:
         heapq.heappush(self.heap, (estimate, self.result.considered, seconds, candidate))
 
     def save_memory(self, candidate: Candidate) -> None:
-        if candidate.offload == candidate.recompute == "none" and candidate not in self.saved:
+        plain = replace(
+            candidate, offload=self.pins.offload or "none", recompute=self.pins.recompute or "none"
+        )
+        if candidate == plain and candidate not in self.saved:
             self.saved.add(candidate)
-            for saver in memory_savers(candidate):
+            for saver in memory_savers(candidate, self.pins):
                 self.push(saver)
 
     def threshold(self) -> float:
@@ -299,12 +317,16 @@ def search(
     schedules: list[str] | None = None,
     max_simulations: int = 300,
     progress: Progress | None = None,
+    pins: Pins | None = None,
 ) -> SearchResult:
-    """Rank plans for ``problem``; the result's ``plans`` fit in memory, best first."""
+    """Rank plans for ``problem`` within ``pins``; the result's ``plans`` fit in memory, best
+    first."""
     start = time.perf_counter()
-    state = _Search(problem, top, progress)
+    pins = pins or Pins()
+    state = _Search(problem, top, progress, pins)
     result = state.result
-    for layout in layouts(problem.gpus, problem.gpus_per_node):
+    options = pins.candidate_options()
+    for layout in pins.layouts(problem.gpus, problem.gpus_per_node):
         found = layout_problem(
             layout, problem.shape, problem.seq_length, problem.global_batch, problem.micro_batch
         )
@@ -318,8 +340,11 @@ def search(
                 f"{layout.label()}: {static / 2**30:.1f} GiB before any activation",
             )
             continue
-        for name, vpp, k in pipeline_choices(problem, layout, schedules or list(SCHEDULES)):
-            state.push(Candidate(layout, name, vpp, k))
+        choices = pipeline_choices(problem, layout, schedules or list(SCHEDULES), pins)
+        if not choices:
+            result.reject("no schedule for the pins", f"{layout.label()}: {', '.join(pins.pinned) or 'none'}")
+        for name, vpp, k in choices:
+            state.push(Candidate(layout, name, vpp, k, **options))
     state.run(max_simulations)
     result.plans = _resimulate(problem, state.best[:top])
     result.seconds = time.perf_counter() - start

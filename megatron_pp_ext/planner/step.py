@@ -61,16 +61,27 @@ class Problem:
 
 @dataclass(frozen=True)
 class Candidate:
+    """One plan to evaluate. The search varies layout, schedule, chunks, slices and (only to fit)
+    offload and full recomputation; the rest is what a pinned run (``plan --from-args``) says."""
+
     layout: Layout
     schedule: str
     vpp: int
     slices: int
-    offload: str = "none"  # none | auto
-    recompute: str = "none"  # none | full
+    offload: str = "none"  # none | auto | full | selective (--pp-offload)
+    recompute: str = "none"  # none | selective | full (--recompute-granularity)
+    recompute_layers: int | None = None  # full, --recompute-method block: layers per stage
+    tp_comm_overlap: bool = False  # --tp-comm-overlap (Transformer Engine)
+    overlap_grad_reduce: bool = True  # --overlap-grad-reduce
+    grad_reduce_in_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32 (Megatron: bf16 by default)
 
     def label(self) -> str:
         extra = [f"offload {self.offload}"] if self.offload != "none" else []
-        extra += [f"recompute {self.recompute}"] if self.recompute != "none" else []
+        if self.recompute != "none":
+            block = f" (block {self.recompute_layers})" if self.recompute_layers is not None else ""
+            extra.append(f"recompute {self.recompute}{block}")
+        extra += ["tp-comm-overlap"] if self.tp_comm_overlap else []
+        extra += ["no grad-reduce overlap"] if not self.overlap_grad_reduce else []
         return f"{self.layout.label()} {self.schedule} v{self.vpp} k{self.slices}" + "".join(
             f", {e}" for e in extra
         )
@@ -133,6 +144,11 @@ class PlanResult:
         return p.global_batch * p.seq_length / self.step_time / p.gpus
 
     @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU (causal attention, no recomputation)."""
+        return self.model_flops / (self.step_time * self.problem.gpus) / 1e12
+
+    @property
     def mfu(self) -> float:
         p = self.problem
         return self.model_flops / (self.step_time * p.gpus * p.profile.peak_flops)
@@ -149,12 +165,18 @@ class PlanResult:
             "slices": c.slices,
             "offload": c.offload,
             "recompute": c.recompute,
-            "sequence_parallel": lay.tp > 1,
+            "recompute_layers": c.recompute_layers,
+            "tp_comm_overlap": c.tp_comm_overlap,
+            "overlap_grad_reduce": c.overlap_grad_reduce,
+            "grad_reduce_in_fp32": c.grad_reduce_in_fp32,
+            "sequence_parallel": lay.parallel.sp,
+            "distributed_optimizer": lay.parallel.distributed_optimizer,
             "microbatches": self.microbatches,
             "micro_batch_size": self.problem.micro_batch,
             "global_batch_size": self.problem.global_batch,
             "step_time_s": self.step_time,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.mfu,
             "bubble": self.bubble,
             "memory_gib": self.memory_gib,
@@ -195,18 +217,19 @@ def _lowered(name: str, pp: int, microbatches: int, vpp: int, slices: int, costs
     return lower(generate(name, pp, microbatches, vpp=vpp, slices=slices, costs=costs))
 
 
-_OFFLOADED: dict[tuple[int, float], tuple[Schedule, Schedule]] = {}
+_OFFLOADED: dict[tuple[int, str, float], tuple[Schedule, Schedule]] = {}
 
 
-def _offloaded(schedule: Schedule, ratio: float) -> Schedule:
-    """``schedule`` with PipeOffload's auto policy at ratio k (rounded, so layouts share it)."""
-    key = (id(schedule), ratio)
+def _offloaded(schedule: Schedule, mode: str, ratio: float) -> Schedule:
+    """``schedule`` with PipeOffload's ``mode`` policy (auto at ratio k, rounded so layouts
+    share it)."""
+    key = (id(schedule), mode, ratio)
     hit = _OFFLOADED.get(key)
     if hit is not None and hit[0] is schedule:
         return hit[1]
     if len(_OFFLOADED) >= 16:
         _OFFLOADED.clear()
-    offloaded = apply_offload(schedule, OffloadPolicy("auto", ratio=ratio))
+    offloaded = apply_offload(schedule, OffloadPolicy(mode, ratio=ratio if mode == "auto" else None))
     _OFFLOADED[key] = (schedule, offloaded)
     return offloaded
 
@@ -302,6 +325,8 @@ def evaluate(
             problem.micro_batch,
             candidate.recompute,
             layers,
+            candidate.recompute_layers,
+            candidate.tp_comm_overlap,
         )
     except PartitionError as error:
         raise Rejection("indivisible: slices", str(error)) from None
@@ -317,7 +342,8 @@ def evaluate(
         run = schedule
     else:
         try:
-            run = _offloaded(schedule, round(offload_ratio(schedule, costs), 2))
+            ratio = round(offload_ratio(schedule, costs), 2) if candidate.offload == "auto" else 0.0
+            run = _offloaded(schedule, candidate.offload, ratio)
         except OffloadError as error:
             raise Rejection("schedule: offload", str(error)) from None
         offloaded = run.meta.get("offloaded_units", 0)
@@ -358,18 +384,29 @@ def _assemble(
     busy = [b + (m - m_sim) * pm for b, pm in zip(result.busy_per_rank, per_mb)]
     bubble = sum((makespan - b) / makespan for b in busy) / len(busy) if makespan > 0 else 0.0
 
-    # data-parallel gradient reduce-scatter per chunk, on one comm stream per rank
+    # Data-parallel gradient reduce-scatter per chunk, on one comm stream per rank. With
+    # overlap_grad_reduce Megatron reduces a bucket (max(40M, 1M x DP) parameters) as soon as the
+    # chunk's last backward has produced it: the chunk's reduce starts when that backward starts
+    # and ends no sooner than one bucket after it.
     group = layout.dp * layout.cp
     params = stage_params(shape, layers, layout.tp)
     sharded = layout.parallel.distributed_optimizer
+    grad_bytes = 4 if candidate.grad_reduce_in_fp32 else shape.bytes_per_element
+    bucket = max(40e6, 1e6 * group)
     step_end = makespan
     for rank in range(schedule.pp):
         stages = sorted(schedule.placement.stages_of(rank))
         ready = sorted(zip(_stage_ends(result, rank, stages), (params[s] for s in stages)))
         stream = 0.0
-        for end, count in ready:
-            seconds = kernels.collective(4 * count, group, layout.dp_intra) * (1 if sharded else 2)
-            stream = max(stream, end + extra) + seconds
+        for (end, last_backward), count in ready:
+            seconds = kernels.collective(grad_bytes * count, group, layout.dp_intra) * (1 if sharded else 2)
+            if candidate.overlap_grad_reduce:
+                start = end + extra - last_backward
+                stream = max(
+                    stream + seconds, start + seconds, end + extra + seconds * min(1.0, bucket / count)
+                )
+            else:
+                stream = max(stream, makespan) + seconds
         step_end = max(step_end, stream)
     grad_exposed = step_end - makespan
 
@@ -404,13 +441,14 @@ def _assemble(
     )
 
 
-def _stage_ends(result: SimResult, rank: int, stages: list[int]) -> list[float]:
-    """When each of ``stages`` (on ``rank``) finishes its last weight-gradient op."""
-    last: dict[int, float] = {}
+def _stage_ends(result: SimResult, rank: int, stages: list[int]) -> list[tuple[float, float]]:
+    """(end, duration) of the last weight-gradient op of each of ``stages`` (on ``rank``)."""
+    last: dict[int, tuple[float, float]] = {}
     for event in result.events:
         if event.rank == rank and event.op.kind in (OpKind.W, OpKind.BW):
-            last[event.op.stage] = max(last.get(event.op.stage, 0.0), event.end)
-    return [last.get(s, result.makespan) for s in stages]
+            if event.end >= last.get(event.op.stage, (0.0, 0.0))[0]:
+                last[event.op.stage] = (event.end, event.end - event.start)
+    return [last.get(s, (result.makespan, 0.0)) for s in stages]
 
 
 def _model_flops(schedule: Schedule, costs: PlanCosts) -> float:
@@ -478,10 +516,9 @@ def lower_bound_time(schedule: Schedule, costs: PlanCosts, microbatches: int) ->
     """The busiest rank's compute for the whole step: no schedule can finish sooner. Closed form
     (layers on the rank times one layer's F+B+W over the slices, plus the output layer)."""
     split = schedule.splits_backward
-    per_layer = sum(
-        (t.forward + t.backward + t.weight) if split else (t.forward + t.fused)
-        for t in (costs.layer_seconds(j) for j in range(schedule.slices))
-    )
+    slices = [costs.layer_seconds(j) for j in range(schedule.slices)]
+    per_layer = sum((t.forward + t.backward + t.weight) if split else (t.forward + t.fused) for t in slices)
+    recompute = sum(t.recompute for t in slices)
     head = sum(
         (t.forward + t.backward + t.weight) if split else (t.forward + t.fused)
         for t in (costs.head_seconds(j) for j in range(schedule.slices))
@@ -490,8 +527,10 @@ def lower_bound_time(schedule: Schedule, costs: PlanCosts, microbatches: int) ->
     last = placement.rank_of(schedule.num_stages - 1)
     busiest = 0.0
     for rank in range(schedule.pp):
-        layers = sum(costs.layers[s] for s in placement.stages_of(rank))
-        busiest = max(busiest, layers * per_layer + (head if rank == last else 0.0))
+        stages = placement.stages_of(rank)
+        layers = sum(costs.layers[s] for s in stages)
+        rerun = sum(costs.recomputed_layers(s) for s in stages) * recompute
+        busiest = max(busiest, layers * per_layer + rerun + (head if rank == last else 0.0))
     return busiest * microbatches
 
 

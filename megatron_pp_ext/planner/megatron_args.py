@@ -1,0 +1,297 @@
+"""A ``pretrain_gpt.py`` command line (ours, Megatron-LM's examples, or the one an sbatch file of
+``scripts/slurm`` runs) read as a run to predict: the model, the batch, the GPU count and every
+layout choice, each pinned to what the line says or to Megatron's default where it says nothing.
+
+Only what the planner models is read; other flags are ignored. What changes the prediction but is
+not modelled (MoE, FP8, uneven first/last stages) is refused or noted, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..schedule.models import ModelShape
+from .pins import PinError, Pins
+
+GPT2_VOCAB = 50257  # GPT2BPETokenizer (Megatron-LM's examples use it with --vocab-file/--merge-file)
+
+
+class ArgsError(ValueError):
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
+@dataclass
+class Run:
+    """What a command line describes."""
+
+    shape: ModelShape
+    seq_length: int
+    micro_batch: int
+    global_batch: int | None  # None: Megatron's default, micro-batch x DP
+    gpus: int | None  # from torchrun/srun, None when the line does not say
+    gpus_per_node: int | None
+    pins: Pins
+    cluster: str | None = None  # "hopper" / "a100" when an sbatch dry run says
+    notes: list[str] = field(default_factory=list)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add = parser.add_argument
+    for flag in (
+        "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
+        "--kv-channels", "--vocab-size", "--make-vocab-size-divisible-by", "--seq-length",
+        "--micro-batch-size",
+        "--global-batch-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+        "--context-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+        "--num-virtual-stages-per-pipeline-rank", "--recompute-num-layers", "--pp-chunks", "--pp-seq-slices",
+        "--num-experts", "--expert-model-parallel-size", "--decoder-first-pipeline-num-layers",
+        "--decoder-last-pipeline-num-layers",
+    ):  # fmt: skip
+        add(flag, type=int)
+    for flag in (
+        "--tokenizer-type", "--merge-file", "--recompute-granularity", "--recompute-method", "--pp-schedule",
+        "--pp-offload", "--pp-vocab-parallel", "--fp8-format", "--pipeline-model-parallel-layout",
+    ):  # fmt: skip
+        add(flag)
+    for flag in (
+        "--group-query-attention", "--swiglu", "--bf16", "--fp16", "--sequence-parallel",
+        "--use-distributed-optimizer", "--tp-comm-overlap", "--overlap-grad-reduce",
+    ):  # fmt: skip
+        add(flag, action="store_true")
+    add("--rampup-batch-size", nargs=3)
+    return parser
+
+
+def _launcher_gpus(tokens: list[str]) -> tuple[int | None, int | None]:
+    """GPUs per node and nodes from torchrun (``--nproc-per-node``, ``--nnodes``) or srun
+    (``--ntasks-per-node``, ``--nodes``) before the script; None where not given."""
+    per_node = nodes = None
+    for i, token in enumerate(tokens):
+        name, _, value = token.partition("=")
+        if not value and i + 1 < len(tokens):
+            value = tokens[i + 1]
+        if name in ("--nproc-per-node", "--nproc_per_node", "--ntasks-per-node", "--gpus-per-node"):
+            per_node = _int(value, name)
+        elif name in ("--nnodes", "--nodes", "-N"):
+            nodes = _int(value.split(":")[-1], name)  # torchrun's MIN:MAX: the most it runs on
+    return per_node, nodes
+
+
+def _int(text: str, flag: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ArgsError(flag, f"{flag} {text!r} is not a number (expand shell variables first)") from None
+
+
+def split_command(text: str) -> tuple[list[str], list[str]]:
+    """(launcher tokens, script arguments): the arguments follow ``pretrain_gpt.py`` (or
+    ``megatron-pp-ext train``) when the line has one; otherwise the whole line is arguments."""
+    tokens = shlex.split(text, comments=True)
+    for i, token in enumerate(tokens):
+        if token.endswith("pretrain_gpt.py") or (
+            token == "train" and i and tokens[i - 1].endswith("megatron-pp-ext")
+        ):
+            return tokens[:i], tokens[i + 1 :]
+    return [], tokens
+
+
+def read_args(text: str) -> Run:
+    """The run ``text`` describes. Raises ArgsError (naming the flag) for what cannot be read."""
+    launcher, argv = split_command(text)
+    unresolved = [t for t in argv if "$" in t]
+    if unresolved:
+        raise ArgsError(
+            "--from-args", f"unexpanded shell variables in the command line: {' '.join(unresolved[:3])}"
+        )
+    args, _ = _parser().parse_known_args(argv)
+    per_node, nodes = _launcher_gpus(launcher)
+    notes: list[str] = []
+    for flag, value in (
+        ("--num-experts", args.num_experts),
+        ("--expert-model-parallel-size", args.expert_model_parallel_size),
+    ):
+        if value not in (None, 0, 1):
+            raise ArgsError(
+                flag, f"{flag} {value}: mixture-of-experts models are not modelled by the planner"
+            )
+    for flag in (
+        "--decoder-first-pipeline-num-layers",
+        "--decoder-last-pipeline-num-layers",
+        "--pipeline-model-parallel-layout",
+    ):
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise ArgsError(
+                flag,
+                f"{flag}: uneven pipeline stages are not modelled by the planner (it splits layers evenly)",
+            )
+    if args.fp8_format:
+        notes.append(
+            f"--fp8-format {args.fp8_format} is not modelled: predicted in BF16 (FP8 GEMMs would be faster)"
+        )
+    elif not (args.bf16 or args.fp16):
+        notes.append(
+            "no --bf16 or --fp16: Megatron trains in FP32; predicted in BF16 (FP32 is several times slower)"
+        )
+    if args.pp_vocab_parallel not in (None, "none", "0", "false"):
+        raise ArgsError(
+            "--pp-vocab-parallel",
+            "--pp-vocab-parallel is not modelled by the planner yet: leave it out to predict the rest",
+        )
+    if args.rampup_batch_size:
+        notes.append("--rampup-batch-size: predicted at the full --global-batch-size")
+    shape = _shape(args)
+    seq = _required(args.seq_length, "--seq-length")
+    pins = _pins(args, shape)
+    return Run(
+        shape=shape,
+        seq_length=seq,
+        micro_batch=args.micro_batch_size or 1,
+        global_batch=args.global_batch_size,
+        gpus=per_node * (nodes or 1) if per_node else None,
+        gpus_per_node=per_node,
+        pins=pins,
+        notes=notes,
+    )
+
+
+def _required(value: int | None, flag: str) -> int:
+    if value is None:
+        raise ArgsError(flag, f"the command line has no {flag}")
+    if value < 1:
+        raise ArgsError(flag, f"{flag} must be at least 1, got {value}")
+    return value
+
+
+def _shape(args: argparse.Namespace) -> ModelShape:
+    layers = _required(args.num_layers, "--num-layers")
+    hidden = _required(args.hidden_size, "--hidden-size")
+    heads = _required(args.num_attention_heads, "--num-attention-heads")
+    kv_heads = args.num_query_groups if args.group_query_attention and args.num_query_groups else heads
+    if args.ffn_hidden_size:
+        ffn = args.ffn_hidden_size
+    else:  # Megatron's default (arguments.py)
+        ffn = int((4 * hidden * 2 / 3) / 64) * 64 if args.swiglu else 4 * hidden
+    if args.vocab_size:
+        vocab = args.vocab_size
+    elif args.tokenizer_type == "GPT2BPETokenizer" or (args.tokenizer_type is None and args.merge_file):
+        vocab = GPT2_VOCAB
+    else:
+        raise ArgsError(
+            "--vocab-size",
+            f"the vocabulary of tokenizer {args.tokenizer_type or '(none given)'} is not in the command "
+            "line: "
+            "add --vocab-size N (e.g. 128256 for Llama 3, 32000 for Llama 2)",
+        )
+    if hidden % heads and not args.kv_channels:
+        raise ArgsError("--num-attention-heads", f"{heads} heads do not divide --hidden-size {hidden}")
+    try:
+        return ModelShape(
+            "the model of the command line", layers, hidden, heads, kv_heads,
+            args.kv_channels or hidden // heads, ffn, vocab,
+            gated=bool(args.swiglu),
+        )  # fmt: skip
+    except ValueError as error:
+        raise ArgsError("--num-query-groups", str(error)) from None
+
+
+def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
+    """Every layout choice of the line, Megatron's defaults where it is silent."""
+    pp = args.pipeline_model_parallel_size or 1
+    vpp = args.num_virtual_stages_per_pipeline_rank or args.pp_chunks
+    if args.num_layers_per_virtual_pipeline_stage:
+        per_rank = shape.layers // pp
+        if per_rank % args.num_layers_per_virtual_pipeline_stage:
+            raise ArgsError(
+                "--num-layers-per-virtual-pipeline-stage",
+                f"{args.num_layers_per_virtual_pipeline_stage} does not divide the {per_rank} layers "
+                "of a pipeline rank",
+            )
+        vpp = per_rank // args.num_layers_per_virtual_pipeline_stage
+    vpp = vpp or 1
+    schedule = args.pp_schedule or ("interleaved-1f1b" if vpp > 1 else "1f1b")
+    recompute = args.recompute_granularity or "none"
+    recompute_layers = None
+    if recompute == "full" and args.recompute_method == "block":
+        recompute_layers = args.recompute_num_layers or 1
+    try:
+        return Pins(
+            tp=args.tensor_model_parallel_size or 1,
+            cp=args.context_parallel_size or 1,
+            pp=pp,
+            vpp=vpp,
+            sequence_parallel=bool(args.sequence_parallel),
+            distributed_optimizer=bool(args.use_distributed_optimizer),
+            recompute=recompute,
+            recompute_layers=recompute_layers,
+            schedule=schedule,
+            slices=args.pp_seq_slices or 1,
+            offload=args.pp_offload or "none",
+            tp_comm_overlap=bool(args.tp_comm_overlap),
+            overlap_grad_reduce=bool(args.overlap_grad_reduce),
+        )
+    except PinError as error:
+        raise ArgsError(error.flag, str(error)) from None
+
+
+def read_sbatch(path: str) -> Run:
+    """The run one of our sbatch scripts (``scripts/slurm/*.sbatch``: variables, then launch.sh)
+    starts: its ``#SBATCH --nodes`` and ``--gpus-per-node``, and the command line launch.sh's dry
+    run prints for that allocation."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as error:
+        raise ArgsError("--from-sbatch", f"cannot read {path}: {error.strerror}") from None
+    nodes = _sbatch_option(text, ("--nodes", "-N")) or 1
+    per_node = _sbatch_option(text, ("--gpus-per-node", "--ntasks-per-node")) or 8
+    if "launch.sh" not in text:
+        raise ArgsError(
+            "--from-sbatch",
+            f"{path} does not source scripts/slurm/launch.sh; use --from-args with its command line",
+        )
+    # A clean environment: the file's own defaults, not this shell's TP=... overrides.
+    env = {
+        "NNODES": str(nodes),
+        "GPUS_PER_NODE": str(per_node),
+        "PYTHON": sys.executable,
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/tmp"),
+    }
+    done = subprocess.run(
+        ["bash", str(file), "--dry-run"], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ArgsError("--from-sbatch", f"{path} --dry-run failed: {last}")
+    lines = [line for line in done.stdout.splitlines() if "pretrain_gpt.py" in line]
+    if not lines:
+        raise ArgsError("--from-sbatch", f"{path} --dry-run printed no pretrain_gpt.py command line")
+    run = read_args(lines[-1].split(" srun-task ", 1)[-1])
+    run.gpus, run.gpus_per_node = nodes * per_node, per_node
+    cluster = re.search(r"\((hopper|a100)\b", done.stdout)
+    run.cluster = cluster.group(1) if cluster else None
+    name = re.search(r"^# megatron-pp-ext: (\S+) \(", done.stdout, re.MULTILINE)
+    run.shape = replace(run.shape, name=name.group(1) if name else file.stem)
+    return run
+
+
+def _sbatch_option(text: str, names: tuple[str, ...]) -> int | None:
+    for line in text.splitlines():
+        if not line.startswith("#SBATCH"):
+            continue
+        for token in line.split()[1:]:
+            name, _, value = token.partition("=")
+            if name in names and value.isdigit():
+                return int(value)
+    return None

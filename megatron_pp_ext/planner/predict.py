@@ -1,0 +1,87 @@
+"""A given run, predicted: every layout choice pinned (``plan --from-args``, ``--from-sbatch``, the
+published runs of ``published.py``), evaluated with every microbatch, and the free search's best
+plan beside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import layout_problem
+from .pins import PinError, Pins
+from .search import SearchResult, search
+from .step import Candidate, PlanResult, Problem, Rejection, evaluate
+
+PREDICT_FULL_UNITS = 40_000  # one run is replayed whole up to this many (stage, microbatch, slice) units
+
+# layout_problem's reasons -> the flag that fixes them
+REASON_FLAGS = {
+    "indivisible: TP": "--tensor-model-parallel-size",
+    "TP across nodes": "--tensor-model-parallel-size",
+    "indivisible: sequence": "--seq-length",
+    "indivisible: layers": "--pipeline-model-parallel-size",
+    "indivisible: batch": "--global-batch-size",
+}
+
+
+def pinned_candidate(problem: Problem, pins: Pins) -> Candidate:
+    """The one candidate ``pins`` describe (TP, CP, PP, chunks, schedule and slices all pinned).
+    Raises PinError for a layout Megatron would refuse."""
+    missing = [pins.flag(n) for n in ("tp", "cp", "pp", "schedule") if getattr(pins, n) is None]
+    if missing:
+        raise PinError(missing[0], f"a run to predict pins {', '.join(missing)}")
+    pins.check(problem.shape, problem.gpus, problem.gpus_per_node)
+    layout = next(pins.layouts(problem.gpus, problem.gpus_per_node))
+    found = layout_problem(
+        layout, problem.shape, problem.seq_length, problem.global_batch, problem.micro_batch
+    )
+    if found and not (found[0] == "indivisible: layers" and not pins.even_layers):
+        reason, detail = found
+        raise PinError(REASON_FLAGS.get(reason, "--from-args"), detail)
+    vpp = pins.vpp or 1
+    if pins.layers_per_virtual_stage is not None:
+        vpp = problem.shape.layers // (layout.pp * pins.layers_per_virtual_stage)
+    return Candidate(layout, pins.schedule, vpp, pins.slices or 1, **_options(pins))  # type: ignore[arg-type]
+
+
+def _options(pins: Pins) -> dict:
+    return {"offload": "none", "recompute": "none", **pins.candidate_options()}
+
+
+def predict(problem: Problem, pins: Pins) -> PlanResult:
+    """The pinned run through the cost model and simulator, every microbatch when the schedule
+    stays small enough; its memory is reported, not checked (``fits`` says)."""
+    candidate = pinned_candidate(problem, pins)
+    layout = candidate.layout
+    microbatches = problem.global_batch // (layout.dp * problem.micro_batch)
+    full = layout.pp * candidate.vpp * candidate.slices * microbatches <= PREDICT_FULL_UNITS
+    try:
+        return evaluate(problem, candidate, full=full, check_memory=False)
+    except Rejection as error:
+        raise PinError(pins.flag("schedule"), f"{candidate.label()}: {error.detail}") from None
+
+
+@dataclass
+class Prediction:
+    run: PlanResult
+    search: SearchResult
+
+    @property
+    def alternative(self) -> PlanResult | None:
+        """The search's best plan when it beats the run (or the run does not fit)."""
+        best = self.search.plans[0] if self.search.plans else None
+        if best is None or (self.run.fits and best.step_time >= self.run.step_time):
+            return None
+        return best
+
+    @property
+    def speedup(self) -> float:
+        alternative = self.alternative
+        return self.run.step_time / alternative.step_time if alternative else 1.0
+
+
+def predict_and_compare(problem: Problem, pins: Pins, max_simulations: int = 300, top: int = 5) -> Prediction:
+    """The run, and the free search over the same model, batch and GPUs (Transformer Engine's TP
+    overlap kept as the run has it: it is the run's software, not a layout choice)."""
+    run = predict(problem, pins)
+    free = Pins(tp_comm_overlap=pins.tp_comm_overlap)
+    return Prediction(run, search(problem, top=top, max_simulations=max_simulations, pins=free))
