@@ -21,6 +21,12 @@ offload bytes, FLOPs for MFU) and computes durations itself, per layer and slice
   ``recompute_layers`` of each stage), and those layers keep only their inputs; ``selective``
   (Megatron's core-attention recompute): B reruns the attention forward, memory as without (the
   flash kernel already keeps no score matrix);
+* unfused attention (Megatron before flash attention, ``--attention-backend unfused``): QK^T and
+  PV as batched GEMMs over every (query, key) pair, not half of them, and the score matrix through
+  memory: per score element the forward writes QK^T (2 bytes), softmax reads and writes it (4),
+  dropout reads it and writes its output and mask (5), PV reads it (2): 13 bytes; the backward
+  twice that. Without recomputation a layer keeps 5 bytes per score (Korthikanti et al. 2022,
+  sec. 4: softmax output, dropout mask and output, "5as^2b");
 * Transformer Engine's ``--tp-comm-overlap``: each SP all-gather or reduce-scatter runs in chunks
   beside the GEMM it feeds or drains, so only what the GEMMs cannot cover is exposed.
 
@@ -43,6 +49,10 @@ from .kernels import Kernels
 from .layout import Layout
 
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("flash", "unfused")
+UNFUSED_FORWARD_BYTES = 13  # per score element, see the module docstring
+UNFUSED_BACKWARD_BYTES = 26
+UNFUSED_KEPT_BYTES = 5
 FORWARD_KERNELS = 10  # bandwidth-bound launches per layer besides GEMMs and attention
 BACKWARD_KERNELS = 20
 
@@ -74,9 +84,12 @@ class PlanCosts:
         layers_per_stage: list[int] | None = None,
         recompute_layers: int | None = None,
         tp_comm_overlap: bool = False,
+        attention: str = "flash",
     ) -> None:
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         parallel = layout.parallel
         unit = math.lcm(DEFAULT_UNIT, parallel.sequence_multiple)
         lengths = slice_lengths(
@@ -97,6 +110,7 @@ class PlanCosts:
         self.recompute = recompute
         self.recompute_layers = recompute_layers  # None: every layer (full); N: the first N per stage
         self.tp_comm_overlap = tp_comm_overlap
+        self.attention = attention
         self.micro_batch_size = micro_batch_size
         self.lengths = lengths
         self.ends = [sum(lengths[: j + 1]) for j in range(len(lengths))]
@@ -135,8 +149,14 @@ class PlanCosts:
         pairs = causal_pairs(self.lengths[j], self.ends[j]) * self.micro_batch_size / self.layout.cp
         attention_flops = s.attention_flops_per_pair() * pairs / t
         keys = self.ends[j] - self.lengths[j] / 2
-        attention_f = k.attention(attention_flops, keys)
-        attention_b = k.attention(2 * attention_flops, keys, backward=True)
+        if self.attention == "unfused":
+            scores = self._scores(j)
+            every_pair = (4 * s.head_dim + 3) * scores  # attention_flops_per_pair() per head
+            attention_f = every_pair / k.gemm_flops + k.memory(UNFUSED_FORWARD_BYTES * scores)
+            attention_b = 2 * every_pair / k.gemm_flops + k.memory(UNFUSED_BACKWARD_BYTES * scores)
+        else:
+            attention_f = k.attention(attention_flops, keys)
+            attention_b = k.attention(2 * attention_flops, keys, backward=True)
         sp_split = t if self.layout.parallel.sp else 1
         activation_elements = (3 if s.gated else 2) * s.ffn + 2 * (s.q_width + s.kv_width)
         elementwise = k.memory(e * n * (10 * s.hidden / sp_split + activation_elements / t))
@@ -163,6 +183,12 @@ class PlanCosts:
         fused = 2 * gemm + backward_common + fused_tp
         recompute = {"none": 0.0, "selective": attention_f, "full": forward}[self.recompute]
         return LayerTimes(forward, backward, weight, fused, recompute)
+
+    def _scores(self, j: int) -> float:
+        """Score elements of slice j on one rank under unfused attention: its heads x its queries
+        x every key up to the slice's end."""
+        heads = self.shape.heads / self.layout.tp
+        return self.micro_batch_size * heads * self.lengths[j] / self.layout.cp * self.ends[j]
 
     def _head_times(self, j: int) -> LayerTimes:
         """Final norm, output layer and cross-entropy of slice j on the last stage."""
@@ -226,6 +252,8 @@ class PlanCosts:
 
     def _activation_of(self, op: Op) -> float:
         full = self.base.activation(op) + self._cp_cache_bytes(op)
+        if self.recompute == "none" and self.attention == "unfused":
+            full += self.layers[op.stage] * UNFUSED_KEPT_BYTES * self._scores(op.slice)
         if self.recompute != "full":
             return full
         layers = self.layers[op.stage]

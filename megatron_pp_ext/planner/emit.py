@@ -40,6 +40,8 @@ def parallel_flags(plan: PlanResult) -> list[str]:
     ]  # fmt: skip
     if layout.parallel.distributed_optimizer:
         flags += ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+        if c.overlap_param_gather:
+            flags.append("--overlap-param-gather")
     flags += ["--pp-schedule", c.schedule]
     if c.vpp > 1:
         flags += ["--pp-chunks", str(c.vpp)]
@@ -77,6 +79,7 @@ def sbatch(spec: ModelSpec, plan: PlanResult, command: str) -> str:
     if spec.config and Path(spec.config).suffix in (".yaml", ".yml"):
         config = str(Path(spec.config).resolve())
     name = f"{spec.name}-{c.schedule}-{problem.seq_length // 1024}k"
+    gather = int(layout.parallel.distributed_optimizer and c.overlap_param_gather)
     extra = spec.override_args() + (RECOMPUTE_FLAGS if c.recompute == "full" else [])
     lines = [
         "#!/bin/bash",
@@ -103,7 +106,8 @@ def sbatch(spec: ModelSpec, plan: PlanResult, command: str) -> str:
         f': "${{MICRO_BATCH_SIZE:={problem.micro_batch}}}" "${{GLOBAL_BATCH_SIZE:={problem.global_batch}}}" '
         '"${TRAIN_ITERS:=1000}" "${WARMUP_ITERS:=50}"',
         f': "${{USE_DISTRIBUTED_OPTIMIZER:={int(layout.parallel.distributed_optimizer)}}}" '
-        f'"${{OVERLAP_GRAD_REDUCE:={int(layout.parallel.distributed_optimizer)}}}"',
+        f'"${{OVERLAP_GRAD_REDUCE:={int(layout.parallel.distributed_optimizer)}}}" '
+        f'"${{OVERLAP_PARAM_GATHER:={gather}}}"',
         f': "${{PP_SCHEDULE:={c.schedule}}}" "${{PP_CHUNKS:={c.vpp if c.vpp > 1 else ""}}}" '
         f'"${{PP_SEQ_SLICES:={c.slices}}}" "${{PP_OFFLOAD:={c.offload}}}"',
         "",

@@ -61,11 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     for flag in (
         "--tokenizer-type", "--merge-file", "--recompute-granularity", "--recompute-method", "--pp-schedule",
         "--pp-offload", "--pp-vocab-parallel", "--fp8-format", "--pipeline-model-parallel-layout",
+        "--attention-backend",
     ):  # fmt: skip
         add(flag)
     for flag in (
         "--group-query-attention", "--swiglu", "--bf16", "--fp16", "--sequence-parallel",
         "--use-distributed-optimizer", "--tp-comm-overlap", "--overlap-grad-reduce",
+        "--overlap-param-gather", "--accumulate-allreduce-grads-in-fp32",
     ):  # fmt: skip
         add(flag, action="store_true")
     add("--rampup-batch-size", nargs=3)
@@ -239,6 +241,14 @@ def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
             offload=args.pp_offload or "none",
             tp_comm_overlap=bool(args.tp_comm_overlap),
             overlap_grad_reduce=bool(args.overlap_grad_reduce),
+            overlap_param_gather=bool(args.overlap_param_gather),
+            grad_reduce_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
+            # without --pp-schedule the line runs Megatron's own schedules
+            grad_reduce_buckets=args.pp_schedule is None,
+            # Megatron's own core attention materialises the scores; the plugin runs SDPA
+            attention="unfused"
+            if args.attention_backend in ("local", "unfused") and not args.pp_schedule
+            else "flash",
         )
     except PinError as error:
         raise ArgsError(error.flag, str(error)) from None

@@ -19,6 +19,14 @@ from .layout import Layout, layouts
 # Candidate fields a pinned run fixes that the search never varies (the run's environment).
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 OFFLOADS = ("none", "auto", "full", "selective")
+ENVIRONMENT = (
+    "tp_comm_overlap",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "grad_reduce_in_fp32",
+    "grad_reduce_buckets",
+    "attention",
+)
 SLICED_FAMILIES = ("seq1f1b", "seq1f1b-interleaved", "slimpipe", "slimpipe-interleaved")
 
 
@@ -44,8 +52,13 @@ class Pins:
     schedule: str | None = None
     slices: int | None = None
     offload: str | None = None
+    # the run's software, not layout choices: the search keeps them as given
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    grad_reduce_in_fp32: bool = False
+    grad_reduce_buckets: bool = False  # Megatron's own schedules (see step.Candidate)
+    attention: str = "flash"  # "unfused": Megatron's score-matrix attention (see costs.py)
     even_layers: bool = True  # False: stages may differ by a layer (Llama 3's published split)
     flags: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -203,12 +216,13 @@ class Pins:
     def slices_allowed(self, slices: int) -> bool:
         return self.slices in (None, slices)
 
+    def environment(self) -> Pins:
+        """Only the run's software settings: what a free search over the same run keeps."""
+        return Pins(**{name: getattr(self, name) for name in ENVIRONMENT})
+
     def candidate_options(self) -> dict:
         """Candidate fields the pins fix (offload and recompute only when pinned)."""
-        options: dict = {
-            "tp_comm_overlap": self.tp_comm_overlap,
-            "overlap_grad_reduce": self.overlap_grad_reduce,
-        }
+        options: dict = {name: getattr(self, name) for name in ENVIRONMENT}
         if self.offload is not None:
             options["offload"] = self.offload
         if self.recompute is not None:

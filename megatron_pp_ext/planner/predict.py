@@ -80,8 +80,8 @@ class Prediction:
 
 
 def predict_and_compare(problem: Problem, pins: Pins, max_simulations: int = 300, top: int = 5) -> Prediction:
-    """The run, and the free search over the same model, batch and GPUs (Transformer Engine's TP
-    overlap kept as the run has it: it is the run's software, not a layout choice)."""
+    """The run, and the free search over the same model, batch and GPUs, as the plugin would run
+    it (Transformer Engine's TP overlap kept as the run has it)."""
     run = predict(problem, pins)
     free = Pins(tp_comm_overlap=pins.tp_comm_overlap)
     return Prediction(run, search(problem, top=top, max_simulations=max_simulations, pins=free))

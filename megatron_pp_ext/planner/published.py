@@ -46,6 +46,7 @@ class PublishedRun:
     published_step: float  # seconds per step derived from it (see ``derivation``)
     derivation: str
     tp_comm_overlap: bool = False
+    attention: str = "flash"
 
     def pins(self) -> Pins:
         lay = self.layout
@@ -59,6 +60,8 @@ class PublishedRun:
             recompute=self.recompute,
             schedule=None if self.vpp is None else self.schedule,
             tp_comm_overlap=self.tp_comm_overlap,
+            grad_reduce_buckets=True,  # Megatron's own schedules (Llama 3: its own, alike)
+            attention=self.attention,
             even_layers=self.shape.layers % lay.pp == 0,
         )
 
@@ -98,8 +101,9 @@ _M24 = "Megatron-LM README (commit f2e5db4, July 2024), images/model_table.png"
 
 def published_runs() -> list[PublishedRun]:
     runs: list[PublishedRun] = []
-    # Korthikanti: sequence parallel + selective recompute (a flash kernel saves the same), DP 1,
-    # A100 80GB, s = 2048; the 175B and 530B runs use the interleaved schedule with 3 chunks.
+    # Korthikanti: sequence parallel + selective recompute (of the unfused attention's score
+    # matrix: 2022's Megatron had no flash kernel), DP 1, A100 80GB, s = 2048; the 175B and 530B
+    # runs use the interleaved schedule with 3 chunks.
     for shape, t, p, gpus, batch, micro, schedule, vpp, mfu, seconds in (
         (gpt("gpt-22b", 48, 6144, 64), 8, 1, 8, 4, 4, "1f1b", 1, 0.415, 1.10),
         (gpt("gpt-175b", 96, 12288, 96), 8, 8, 64, 64, 1, "interleaved-1f1b", 3, 0.514, 13.75),
@@ -117,14 +121,15 @@ def published_runs() -> list[PublishedRun]:
                 micro,
                 schedule,
                 vpp,
-                "none",
+                "selective",
                 f"MFU {mfu:.1%}, {seconds} s/iteration",
                 seconds,
                 "the published iteration time (Table 5)",
+                attention="unfused",
             )
         )
     # Narayanan: full recomputation, A100 80GB, s = 2048, with data parallelism; 2021's Megatron
-    # had neither sequence parallelism nor the distributed optimizer.
+    # had neither sequence parallelism, the distributed optimizer nor a flash kernel.
     for shape, t, p, gpus, micro, batch, tflops in (
         (gpt("gpt-145b", 80, 12288, 96), 8, 8, 1536, 2, 2304, 148),
         (gpt("gpt-310b", 96, 16384, 128), 8, 16, 1920, 1, 2160, 155),
@@ -146,6 +151,7 @@ def published_runs() -> list[PublishedRun]:
                 f"{tflops} TFLOP/s per GPU",
                 narayanan_step(shape, batch, 2048, tflops, gpus),
                 "their eq. 3 FLOPs / (TFLOP/s x GPUs)",
+                attention="unfused",
             )
         )
     # Llama 3 405B on H100 (RoCE 400 Gb/s per GPU), 16M tokens per step.
@@ -256,6 +262,36 @@ SLIMPIPE_CONFIGS = (
 )
 
 
+def slimpipe_table() -> None:
+    """docs/planner.md's Llama-2 70B table: the planner's top plan on 256 H100s at each of
+    SlimPipe's sequence lengths, beside SlimPipe's own configuration (4M tokens per step)."""
+    from ..configs import shape as config_shape
+
+    shape = config_shape("llama2-70b")
+    profile = get_profile("h100-80gb")
+    print(
+        "| tokens | top plan | step s | tok/s/GPU | MFU | GiB/GPU | bubble | SlimPipe config | step s | MFU "
+        "| GiB/GPU (fits?) | with offload auto |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for seq, t, c, p, d, slices, chunks in SLIMPIPE_CONFIGS:
+        problem = Problem(shape, seq, 256, profile, max(1, (1 << 22) // seq), 1)
+        best = search(problem, top=1).plans[0]
+        pins = Pins(
+            tp=t, cp=c, pp=p, vpp=chunks, schedule="slimpipe-interleaved", slices=slices, offload="none"
+        )
+        theirs = predict_pinned(problem, pins)
+        offloaded = predict_pinned(problem, replace(pins, offload="auto"))
+        fits = "yes" if theirs.fits else "no"
+        print(
+            f"| {seq // 1024}K | {best.candidate.label()} | {best.step_time:.2f} | "
+            f"{best.tokens_per_s_per_gpu:.0f} | {best.mfu:.1%} | {best.memory_gib:.1f} | {best.bubble:.3f} | "
+            f"t{t} c{c} p{p} d{d} n{slices} v{chunks} | {theirs.step_time:.2f} | {theirs.mfu:.1%} | "
+            f"{theirs.memory_gib:.1f} ({fits}) | {offloaded.step_time:.2f} s, "
+            f"{offloaded.memory_gib:.1f} GiB |"
+        )
+
+
 def main() -> None:
     print("| source | model | layout | published | published s/step | predicted s/step | error |")
     print("|---|---|---|---|---|---|---|")
@@ -272,4 +308,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    slimpipe_table() if sys.argv[1:] == ["--slimpipe"] else main()

@@ -52,7 +52,8 @@ def summary(result: SearchResult, title: str) -> str:
         f"{parts['activations']:.1f} + communication buffers {parts['comm_buffers']:.1f} + reserved "
         f"{parts['reserved']:.1f} (of {best.problem.profile.memory_bytes / 2**30:.1f}); step = pipeline "
         f"{best.pipeline_time:.3f} s + exposed gradient sync {best.grad_sync_exposed:.3f} s + optimizer "
-        f"{best.optimizer_time:.3f} s; {best.microbatches} microbatches of {best.problem.micro_batch} "
+        f"{best.optimizer_time:.3f} s + exposed parameter all-gather {best.param_gather_exposed:.3f} s; "
+        f"{best.microbatches} microbatches of {best.problem.micro_batch} "
         "per DP rank"
     )
     lines.extend(f"  note: {note}" for note in best.notes)
@@ -87,7 +88,8 @@ def plan_lines(plan: PlanResult) -> list[str]:
         f"{parts['activations']:.1f} + communication buffers {parts['comm_buffers']:.1f} + reserved "
         f"{parts['reserved']:.1f}",
         f"  step = pipeline {plan.pipeline_time:.3f} s + exposed gradient sync "
-        f"{plan.grad_sync_exposed:.3f} s + optimizer {plan.optimizer_time:.3f} s; "
+        f"{plan.grad_sync_exposed:.3f} s + optimizer {plan.optimizer_time:.3f} s + exposed parameter "
+        f"all-gather {plan.param_gather_exposed:.3f} s; "
         f"{plan.microbatches} microbatches of {plan.problem.micro_batch} "
         "per DP rank",
         *(f"  note: {note}" for note in plan.notes),

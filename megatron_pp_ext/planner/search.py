@@ -151,6 +151,7 @@ def bounds(problem: Problem, candidate: Candidate) -> tuple[float, float]:
         layers,
         candidate.recompute_layers,
         candidate.tp_comm_overlap,
+        candidate.attention,
     )
     m = microbatches_of(problem, candidate.layout)
     seconds = lower_bound_time(stub, costs, m)  # type: ignore[arg-type]
@@ -166,14 +167,15 @@ def static_fits(problem: Problem, layout: Layout) -> float:
 
 
 def memory_savers(candidate: Candidate, pins: Pins | None = None) -> list[Candidate]:
-    """Variants that trade time for memory, where not pinned: offload, and full recompute where
-    the plugin runs Megatron's recompute (whole sequences, no CP, fused backward)."""
+    """Variants that trade time for memory, where not pinned: offload, and recomputation where
+    the plugin runs Megatron's (whole sequences, no CP, fused backward): full, and selective when
+    the attention is unfused (with a flash kernel it would keep nothing less)."""
     pins = pins or Pins()
     name, k = candidate.schedule, candidate.slices
     offloads = [candidate.offload] if pins.offload is not None else ["none", "auto"]
     recomputes = [candidate.recompute]
     if pins.recompute is None and k == 1 and candidate.layout.cp == 1 and not splits_backward(name):
-        recomputes.append("full")
+        recomputes += (["selective"] if candidate.attention == "unfused" else []) + ["full"]
     return [
         replace(candidate, offload=offload, recompute=recompute)
         for recompute in recomputes

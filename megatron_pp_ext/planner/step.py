@@ -3,11 +3,12 @@ step adds around the pipeline (data-parallel gradient sync, the optimizer, param
 and every part of a GPU's memory.
 
 Step time = the slowest rank's end, where a rank ends when both its last op and its gradient
-reduce-scatters are done. Each model chunk's reduce-scatter (Megatron's ``overlap_grad_reduce``)
-starts once the chunk's last weight gradient is in, on one communication stream per rank, so
-chunks that finish early hide theirs behind the rest of the pipeline. Then the distributed
-optimizer's Adam step (bandwidth-bound over this rank's shard) and the parameter all-gather,
-of which only the first layer's bucket waits (``overlap_param_gather``).
+reduce-scatters are done. Each model chunk's reduce-scatter (``overlap_grad_reduce``) starts once
+the chunk's last weight gradient is in (the plugin's runtime) or bucket by bucket during that last
+backward (Megatron's own schedules), on one communication stream per rank, so chunks that finish
+early hide theirs behind the rest of the pipeline. Then the distributed optimizer's Adam step
+(bandwidth-bound over this rank's shard) and what the parameter all-gather adds: with
+``overlap_param_gather`` the first bucket, and the rest beyond the chunk's first forward.
 
 Large microbatch counts are simulated with fewer microbatches (at least 2p) and extended by the
 busiest rank's time per microbatch: the steady state repeats, so the makespan grows by that per
@@ -74,6 +75,11 @@ class Candidate:
     tp_comm_overlap: bool = False  # --tp-comm-overlap (Transformer Engine)
     overlap_grad_reduce: bool = True  # --overlap-grad-reduce
     grad_reduce_in_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32 (Megatron: bf16 by default)
+    # Megatron's own schedules dispatch each gradient bucket during the chunk's last backward; the
+    # plugin's runtime starts a chunk's reduce after its last weight gradient (runtime/grad_sync.py).
+    grad_reduce_buckets: bool = False
+    overlap_param_gather: bool = True  # --overlap-param-gather (distributed optimizer)
+    attention: str = "flash"  # or "unfused" (--attention-backend local|unfused; Megatron before 2023)
 
     def label(self) -> str:
         extra = [f"offload {self.offload}"] if self.offload != "none" else []
@@ -129,6 +135,7 @@ class PlanResult:
     model_flops: float
     offloaded_units: int = 0
     notes: list[str] = field(default_factory=list)
+    param_gather_exposed: float = 0.0
 
     @property
     def memory_gib(self) -> float:
@@ -169,6 +176,9 @@ class PlanResult:
             "tp_comm_overlap": c.tp_comm_overlap,
             "overlap_grad_reduce": c.overlap_grad_reduce,
             "grad_reduce_in_fp32": c.grad_reduce_in_fp32,
+            "grad_reduce_buckets": c.grad_reduce_buckets,
+            "overlap_param_gather": c.overlap_param_gather,
+            "attention": c.attention,
             "sequence_parallel": lay.parallel.sp,
             "distributed_optimizer": lay.parallel.distributed_optimizer,
             "microbatches": self.microbatches,
@@ -185,6 +195,7 @@ class PlanResult:
             "pipeline_time_s": self.pipeline_time,
             "grad_sync_exposed_s": self.grad_sync_exposed,
             "optimizer_s": self.optimizer_time,
+            "param_gather_exposed_s": self.param_gather_exposed,
             "simulated_microbatches": self.simulated_microbatches,
             "offloaded_units": self.offloaded_units,
         }
@@ -327,6 +338,7 @@ def evaluate(
             layers,
             candidate.recompute_layers,
             candidate.tp_comm_overlap,
+            candidate.attention,
         )
     except PartitionError as error:
         raise Rejection("indivisible: slices", str(error)) from None
@@ -385,9 +397,10 @@ def _assemble(
     bubble = sum((makespan - b) / makespan for b in busy) / len(busy) if makespan > 0 else 0.0
 
     # Data-parallel gradient reduce-scatter per chunk, on one comm stream per rank. With
-    # overlap_grad_reduce Megatron reduces a bucket (max(40M, 1M x DP) parameters) as soon as the
-    # chunk's last backward has produced it: the chunk's reduce starts when that backward starts
-    # and ends no sooner than one bucket after it.
+    # overlap_grad_reduce the plugin starts a chunk's reduce after its last weight gradient;
+    # Megatron's own schedules reduce a bucket (max(40M, 1M x DP) parameters) as soon as the
+    # chunk's last backward has produced it: the reduce starts with that backward and ends no
+    # sooner than one bucket after it.
     group = layout.dp * layout.cp
     params = stage_params(shape, layers, layout.tp)
     sharded = layout.parallel.distributed_optimizer
@@ -400,11 +413,13 @@ def _assemble(
         stream = 0.0
         for (end, last_backward), count in ready:
             seconds = kernels.collective(grad_bytes * count, group, layout.dp_intra) * (1 if sharded else 2)
-            if candidate.overlap_grad_reduce:
+            if candidate.overlap_grad_reduce and candidate.grad_reduce_buckets:
                 start = end + extra - last_backward
                 stream = max(
                     stream + seconds, start + seconds, end + extra + seconds * min(1.0, bucket / count)
                 )
+            elif candidate.overlap_grad_reduce:
+                stream = max(stream, end + extra) + seconds
             else:
                 stream = max(stream, makespan) + seconds
         step_end = max(step_end, stream)
@@ -416,10 +431,10 @@ def _assemble(
     most = max(rank_params)
     shard = most / (group if sharded else 1)
     optimizer = kernels.memory(OPTIMIZER_BYTES_PER_PARAM * shard + 4 * most)
-    if sharded:
-        gather = kernels.collective(shape.bytes_per_element * most, group, layout.dp_intra)
-        optimizer += gather / max(1, max(layers))
-    step_time = step_end + optimizer
+    gather = (
+        _param_gather_exposed(candidate, schedule, result, params, group, bucket, kernels) if sharded else 0.0
+    )
+    step_time = step_end + optimizer + gather
 
     memory = _memory(problem, candidate, schedule, costs, result.peak_memory_per_rank, layers)
     flops = _model_flops(schedule, costs) * m * layout.dp
@@ -433,12 +448,52 @@ def _assemble(
         pipeline_time=makespan,
         grad_sync_exposed=grad_exposed,
         optimizer_time=optimizer,
+        param_gather_exposed=gather,
         bubble=bubble,
         memory=memory,
         model_flops=flops,
         offloaded_units=offloaded,
         notes=notes,
     )
+
+
+def _param_gather_exposed(
+    candidate: Candidate,
+    schedule: Schedule,
+    result: SimResult,
+    params: list[int],
+    group: int,
+    bucket: float,
+    kernels: Kernels,
+) -> float:
+    """Seconds the distributed optimizer's parameter all-gather adds to the step. Without
+    ``overlap_param_gather`` it runs after the optimizer, whole. With it, Megatron's forward
+    pre-hook waits for a bucket's gather and dispatches the next one, in the first forward of
+    each chunk: the first bucket waits, the rest hide behind that forward. A rank's wait delays
+    the pipeline only beyond the time its first forward waited for its input anyway."""
+    layout, shape = candidate.layout, schedule
+    link = layout.dp_intra
+    element = 2  # bf16 parameters
+    first: dict[int, tuple[float, float]] = {}
+    for event in result.events:
+        if event.op.kind is OpKind.F and (
+            event.op.stage not in first or event.start < first[event.op.stage][0]
+        ):
+            first[event.op.stage] = (event.start, event.end - event.start)
+    worst = 0.0
+    for rank in range(shape.pp):
+        stages = sorted(shape.placement.stages_of(rank))
+        waited = 0.0
+        for stage in stages:
+            whole = kernels.collective(element * params[stage], group, link)
+            if not candidate.overlap_param_gather:
+                waited += whole
+                continue
+            head = whole * min(1.0, bucket / max(1, params[stage]))
+            waited += head + max(0.0, whole - head - first.get(stage, (0.0, 0.0))[1])
+        slack = first.get(stages[0], (0.0, 0.0))[0] if candidate.overlap_param_gather else 0.0
+        worst = max(worst, waited - slack)
+    return max(0.0, worst)
 
 
 def _stage_ends(result: SimResult, rank: int, stages: list[int]) -> list[tuple[float, float]]:

@@ -18,6 +18,8 @@
 #   TRAIN_ITERS LR MIN_LR WARMUP_ITERS WEIGHT_DECAY CLIP_GRAD SEED   (default: the config's)
 #   PP_SCHEDULE PP_CHUNKS PP_SEQ_SLICES PP_SLICE_PARTITION   (default: the config's pipeline section)
 #   PP_OFFLOAD (none|full|selective|auto), PP_ATTN_REDISTRIBUTION (0..1)
+#   USE_DISTRIBUTED_OPTIMIZER OVERLAP_GRAD_REDUCE (0|1, default: the config's), OVERLAP_PARAM_GATHER
+#                    (0|1, default 0: Megatron's --overlap-param-gather, with the distributed optimizer)
 #   DATA_PATH        Megatron data prefix(es) (a blend "0.7 /data/a_text_document 0.3 /data/b...");
 #                    unset: --mock-data with a NullTokenizer of the config's vocabulary
 #   TOKENIZER        with DATA_PATH: the tokenizer model (a Hugging Face name or directory, e.g.
@@ -75,6 +77,7 @@ eval "$cfg_shell"
 : "${WEIGHT_DECAY:=$CFG_WEIGHT_DECAY}" "${CLIP_GRAD:=$CFG_CLIP_GRAD}" "${SEED:=$CFG_SEED}"
 : "${LOG_INTERVAL:=$CFG_LOG_INTERVAL}"
 : "${USE_DISTRIBUTED_OPTIMIZER:=$CFG_USE_DISTRIBUTED_OPTIMIZER}" "${OVERLAP_GRAD_REDUCE:=$CFG_OVERLAP_GRAD_REDUCE}"
+: "${OVERLAP_PARAM_GATHER:=0}"
 : "${PP_SCHEDULE:=$CFG_PP_SCHEDULE}" "${PP_CHUNKS:=$CFG_PP_CHUNKS}" "${PP_SEQ_SLICES:=$CFG_PP_SEQ_SLICES}"
 : "${PP_SLICE_PARTITION:=$CFG_PP_SLICE_PARTITION}" "${PP_OFFLOAD:=none}" "${PP_ATTN_REDISTRIBUTION:=}"
 : "${CLUSTER:=hopper}"
@@ -184,6 +187,7 @@ ARGS+=(
 )
 [[ "$USE_DISTRIBUTED_OPTIMIZER" == 1 ]] && ARGS+=(--use-distributed-optimizer)
 [[ "$OVERLAP_GRAD_REDUCE" == 1 ]] && ARGS+=(--overlap-grad-reduce)
+[[ "$OVERLAP_PARAM_GATHER" == 1 ]] && ARGS+=(--overlap-param-gather)
 if [[ -n "${DATA_PATH:-}" ]]; then
     [[ -n "${TOKENIZER:-}" ]] || die "DATA_PATH needs TOKENIZER (the tokenizer model of the data)"
     read -r -a data_prefixes <<<"$DATA_PATH"
