@@ -12,7 +12,7 @@ import os
 import sys
 
 from . import quiet
-from .commands.errors import UsageError
+from .commands.errors import JobError, UsageError
 
 # command name -> module under megatron_pp_ext.commands with add_parser(subparsers)
 COMMANDS = {"simulate": "simulate", "plan": "plan", "train": "train", "bench": "bench"}
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"megatron-pp-ext {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except JobError as error:
+        print(f"megatron-pp-ext {args.command}: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

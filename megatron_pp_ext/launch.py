@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import stop
+
 
 def launcher_world() -> tuple[int, int, int] | None:
     """(rank, world size, local rank) given by torchrun or SLURM, or None if neither ran us."""
@@ -84,8 +86,21 @@ def _entry(local_rank: int, world_size: int, port: int, worker: Callable[..., An
     worker(local_rank, world_size, local_rank, *args)
 
 
-def run(worker: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Call ``worker(rank, world_size, local_rank, *args)`` in each process of the job."""
+class WorkerDied(Exception):
+    """A rank of a job this process started ended badly: which one and how."""
+
+    def __init__(self, rank: int, how: str) -> None:
+        super().__init__(f"rank {rank} ended ({how})")
+        self.rank, self.how = rank, how
+
+
+def run(worker: Callable[..., Any], world_size: int, *args: Any, grace_s: float = 30.0) -> None:
+    """Call ``worker(rank, world_size, local_rank, *args)`` in each process of the job.
+
+    When it starts the processes itself and one ends badly, the others get ``grace_s`` to notice
+    it and end on their own (each says in one line what it was waiting for) before they are
+    stopped; then :class:`WorkerDied` names the first. SIGTERM and SIGINT sent to this process are
+    passed on to the ranks (``stop.py``: they stop at the end of the iteration)."""
     given = launcher_world()
     if given is not None:
         rank, world, local_rank = given
@@ -98,6 +113,23 @@ def run(worker: Callable[..., Any], world_size: int, *args: Any) -> None:
         return
     if torch.cuda.is_available():
         check_gpus(world_size, torch.cuda.device_count())
-    mp.start_processes(
-        _entry, args=(world_size, free_port(), worker, args), nprocs=world_size, start_method="spawn"
+    # a rank killed mid-run leaves its semaphores to multiprocessing's resource tracker, which
+    # warns about them at exit: expected then, and the job's own lines say what happened
+    quiet_tracker = "ignore:resource_tracker:UserWarning"
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet_tracker]))
+    context = mp.start_processes(
+        _entry,
+        args=(world_size, free_port(), worker, args),
+        nprocs=world_size,
+        start_method="spawn",
+        join=False,
     )
+    previous = stop.forward_to(context.processes)
+    try:
+        while not context.join(grace_period=grace_s):
+            pass
+    except mp.ProcessExitedException as error:
+        how = f"killed by {error.signal_name}" if error.signal_name else f"exit code {error.exit_code}"
+        raise WorkerDied(error.error_index, how) from None
+    finally:
+        stop.restore(previous)

@@ -1,4 +1,5 @@
-"""The one error type commands raise for bad input: it names the flag to change."""
+"""The errors commands raise: bad input (exit 2, naming the flag to change) and a job that failed
+while running (exit 1, saying what happened and how to resume)."""
 
 from __future__ import annotations
 
@@ -11,3 +12,7 @@ class UsageError(Exception):
 
     def __str__(self) -> str:
         return self.args[0] if self.flag_in_message else f"{self.flag}: {self.args[0]}"
+
+
+class JobError(Exception):
+    """A job that started and failed (a rank died): one line, exit code 1."""

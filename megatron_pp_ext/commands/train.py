@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -32,7 +33,8 @@ from typing import Any
 import yaml
 
 from ..megatron.hook import OptionError, PipelineOptions, add_args
-from .errors import UsageError
+from ..stop import StopRequest
+from .errors import JobError, UsageError
 
 # The generator's flag names as this command spells them (Megatron's names where it has one).
 TRAIN_FLAGS = {
@@ -577,11 +579,14 @@ def run(args: argparse.Namespace) -> int:
         )
     settings = resolve_layout(settings, None if world is None else world[1])
     check(settings)
+    world_size = settings.tp * settings.cp * settings.pp * settings.dp
     try:  # launch refuses more ranks than GPUs before it starts any (check_gpus)
-        launch.run(worker, settings.tp * settings.cp * settings.pp * settings.dp, settings)
+        launch.run(worker, world_size, settings, grace_s=settings.timeout + 10)
     except launch.LaunchError as error:
         layout = f"TP x CP x PP x DP = {settings.tp} x {settings.cp} x {settings.pp} x {settings.dp}"
         raise UsageError("--pipeline-model-parallel-size", f"{error} ({layout})") from None
+    except launch.WorkerDied as error:
+        raise JobError(fatal_message(settings, error, others="the other ranks stopped")) from None
     return 0
 
 
@@ -594,8 +599,9 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
     from .. import launch
 
     device = launch.init_distributed(rank, world_size, local_rank, settings.timeout)
+    request = StopRequest().install()
     try:
-        train_loop(rank, settings, device)
+        train_loop(rank, settings, device, stop=request)
     except fatal_errors() as error:
         _fatal(rank, settings, error)
     except RuntimeError as error:
@@ -629,18 +635,29 @@ def _fatal(rank: int, settings: TrainSettings, error: BaseException) -> None:
     os._exit(1)
 
 
-def fatal_message(settings: TrainSettings, error: BaseException) -> str:
+def fatal_message(settings: TrainSettings, error: BaseException, others: str = "") -> str:
     """The error's first line and, with --save, the checkpoint ``--load`` resumes from."""
     from ..megatron.checkpoint import iteration_dir, read_tracker
 
-    message = (str(error).splitlines() or [type(error).__name__])[0]
+    message = _first_line(error)
+    notes = getattr(error, "__notes__", [])
+    message += f" ({notes[-1]})" if notes else ""
+    message += f"; {others}" if others else ""
     latest = read_tracker(settings.save) if settings.save else None
     if latest is None:
-        return message
+        return message + ("; no checkpoint to resume from (no --save)" if not settings.save else "")
     return (
         f"{message}; the last checkpoint is {iteration_dir(settings.save, latest)}: resume with the "
         f"same command and --load {settings.save}"
     )
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first line without a backend's source location and advice (gloo prefixes
+    ``[.../pair.cc:553]`` and appends a paragraph)."""
+    line = (str(error).splitlines() or [type(error).__name__])[0]
+    line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", line)
+    return line.split(". This is typically caused by")[0]
 
 
 def settings_from_argv(argv: list[str], world_size: int | None = None) -> TrainSettings:
@@ -655,16 +672,26 @@ def settings_from_argv(argv: list[str], world_size: int | None = None) -> TrainS
 
 
 def train_loop(
-    rank: int, settings: TrainSettings, device: Any, forward_step_func: Callable[..., Any] | None = None
+    rank: int,
+    settings: TrainSettings,
+    device: Any,
+    forward_step_func: Callable[..., Any] | None = None,
+    stop: StopRequest | None = None,
 ) -> list[dict[str, Any]]:
     """Train in this process of an initialised ``torch.distributed`` job; return the per-iteration
     rows (the loss where it is reported, None elsewhere). Megatron's parallel state is set up and
     torn down here, so one process can run several jobs in a row (the tests do).
-    ``forward_step_func`` replaces Megatron's forward step (tests inject faults with it)."""
+    ``forward_step_func`` replaces Megatron's forward step (tests inject faults with it); ``stop``
+    ends the run early, saved, when a signal asks (``megatron_pp_ext/stop.py``)."""
     job = TrainJob(rank, settings, device, forward_step_func)
+    job.stop = stop
     try:
         job.resume()
-        rows = job.run()
+        try:
+            rows = job.run()
+        except BaseException as error:
+            error.add_note(f"while in {job.phase}")  # fatal_message says where a peer was lost
+            raise
         job.report()
         return rows
     finally:
@@ -683,6 +710,8 @@ class TrainJob:
 
         self.rank, self.settings, self.device = rank, settings, device
         self.forward_step_func = forward_step_func or forward_step
+        self.stop: StopRequest | None = None
+        self.phase = "start-up"  # what the run is doing, for the line a fault prints
         cpu_shim.install()  # no-op with CUDA
         _init_parallel(settings)
         self.hook = install(options=settings.pipeline)
@@ -883,9 +912,11 @@ class TrainJob:
             # zeroes the gradients there (_gate); no barrier once the chain is measured, or the
             # boundary bubble comes back
             if not settings.post_validation or timing_chain:
+                self.phase = f"the barrier that starts iteration {iteration} (every rank)"
                 dist.barrier()  # every rank starts together: comparable step times
             start = time.perf_counter()
             forward_backward_func = pipeline_parallel.get_forward_backward_func()
+            self.phase = f"the pipeline step of iteration {iteration}"
             losses = forward_backward_func(
                 forward_step_func=self.forward_step_func,
                 data_iterator=iterators,
@@ -904,6 +935,9 @@ class TrainJob:
                     self._set_chain(chain_timings, progress)
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate(settings, iteration)
+            self.phase = (
+                f"the optimizer step of iteration {iteration} (gradients over the data-parallel ranks)"
+            )
             step = optimizer_step(self.optimizer, self.model)
             elapsed = time.perf_counter() - start
             self._measure(elapsed)
@@ -933,6 +967,12 @@ class TrainJob:
                 unsettled = row
             if save:
                 self.save(progress)
+            if (
+                self.stop is not None
+                and iteration < settings.iterations
+                and self._stopped(iteration, save, progress)
+            ):
+                break
         progress.close()
         if metrics_file:
             metrics_file.close()
@@ -1002,7 +1042,33 @@ class TrainJob:
             metrics_file.write(json.dumps({key: row[key] for key in METRICS}) + "\n")
             metrics_file.flush()
 
+    def _stopped(self, iteration: int, saved: bool, progress: Any) -> bool:
+        """At an iteration's end: whether a signal asked any rank to stop (all ranks agree);
+        if so, save (unless this iteration just did) and say how to resume."""
+        assert self.stop is not None
+        self.phase = f"the stop check at the end of iteration {iteration} (every rank)"
+        name = self.stop.agreed(self.device)
+        if name is None:
+            return False
+        settings = self.settings
+        if settings.save is not None and not saved:
+            self.optimizer.settle()
+            self.save(progress)
+        if self.shows:
+            from ..megatron.checkpoint import iteration_dir
+
+            if settings.save is not None:
+                where = (
+                    f"saved {iteration_dir(settings.save, iteration)}; resume with the same command "
+                    f"and --load {settings.save}"
+                )
+            else:
+                where = "nothing saved (no --save)"
+            progress.write(f"stopped by {name} after iteration {iteration}: {where}")
+        return True
+
     def save(self, progress: Any) -> None:
+        self.phase = f"saving the checkpoint of iteration {self.position['iteration']}"
         start = time.perf_counter()
         common = {**self.position, "opt_param_scheduler": _scheduler_state(self.settings)}
         path = self.checkpoint.save(self.settings.save, self.position["iteration"], common)

@@ -1,0 +1,80 @@
+"""A graceful stop: SIGTERM (a SLURM preemption, ``scancel``) or SIGINT (Ctrl-C) asks a training job
+to stop at the end of its current iteration. Every rank must stop at the same iteration (a
+checkpoint is a collective), so at the end of each iteration the ranks agree with one all-reduce;
+then the job saves when ``--save`` is given and exits cleanly. A second signal, a few seconds
+after the first, takes the default action (stop at once), for a user who will not wait.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+FORCE_AFTER_S = (
+    2.0  # a repeat sooner than this is the same request (Ctrl-C reaches every rank and its parent)
+)
+
+
+class StopRequest:
+    """Set by a signal handler in this process; read by :meth:`agreed` at iteration ends."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self.received_at = 0.0
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> StopRequest:
+        """Handle SIGTERM and SIGINT here (the main thread: Python runs handlers there)."""
+        for sig in SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self.signal_name is not None and now - self.received_at > FORCE_AFTER_S:
+            self.restore()
+            signal.raise_signal(signum)  # the default action, now
+            return
+        if self.signal_name is None:
+            self.signal_name, self.received_at = signal.Signals(signum).name, now
+
+    def agreed(self, device: Any) -> str | None:
+        """Collective over the world group: the signal's name when any rank received one (every
+        rank returns the same answer), else None."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not int(flag.item()):
+            return None
+        return self.signal_name or "a signal to another rank"
+
+
+def forward_to(processes: list[Any]) -> dict[int, Any]:
+    """In a parent that started the ranks itself: pass SIGTERM and SIGINT on to them (a
+    ``kill PARENT`` reaches only the parent; Ctrl-C reaches them all, and a repeat within
+    ``FORCE_AFTER_S`` is one request). Returns the previous handlers."""
+
+    def forward(signum: int, frame: Any) -> None:
+        for process in processes:
+            if process.is_alive() and process.pid is not None:
+                try:
+                    os.kill(process.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    return {sig: signal.signal(sig, forward) for sig in SIGNALS}
+
+
+def restore(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

@@ -1,0 +1,115 @@
+"""Faults of a real ``megatron-pp-ext train`` run (issue 27): a rank killed during a step, and a
+SLURM-style preemption (SIGTERM) that saves and resumes. Real processes, gloo, a small model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+JOB = [  # 4 ranks (PP2 x DP2), a few milliseconds a step
+    "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", "--num-layers", "2",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--save-interval", "5",
+    "--pp-p2p-timeout", "20",
+]  # fmt: skip
+
+
+def start(tmp_path: Path, iterations: int, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "megatron_pp_ext", "train", *JOB, "--train-iters", str(iterations)]
+    command += ["--save", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "metrics.jsonl"), *extra]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_iteration(
+    tmp_path: Path, iteration: int, process: subprocess.Popen, limit_s: float = 240
+) -> None:
+    """Until the metrics file shows ``iteration`` (the job is inside its steps by then)."""
+    path = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        if path.exists():
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if rows and rows[-1]["iteration"] >= iteration:
+                return
+        time.sleep(0.2)
+    process.kill()
+    raise AssertionError(f"no iteration {iteration} within {limit_s}s")
+
+
+def ranks_of(pid: int) -> list[int]:
+    """The rank processes a train command started (its children with more than one thread)."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    ranks = []
+    for kid in map(int, kids):
+        status = Path(f"/proc/{kid}/status").read_text()
+        if int(re.search(r"Threads:\s+(\d+)", status).group(1)) > 1:
+            ranks.append(kid)
+    return sorted(ranks)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_job_in_one_line_per_rank_naming_it_and_the_checkpoint(tmp_path: Path) -> None:
+    process = start(tmp_path, 100_000)
+    wait_for_iteration(tmp_path, 7, process)
+    victim = ranks_of(process.pid)[1]
+    os.kill(victim, signal.SIGKILL)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 1, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    last = lines[-1]
+    # the launcher: which rank, how it ended, the checkpoint and the exact --load
+    assert re.match(r"megatron-pp-ext train: error: rank \d ended \(killed by SIGKILL\)", last), err
+    assert f"--load {tmp_path / 'ckpt'}" in last and "iter_" in last, last
+    # the survivors each said what they were waiting for, in one line each
+    survivors = [
+        line for line in err.splitlines() if re.match(r"megatron-pp-ext train: rank \d: error:", line)
+    ]
+    assert survivors, err
+    assert all("--load" in line for line in survivors), survivors
+    # the checkpoint named is complete: the job resumes from it
+    resumed = start(
+        tmp_path, int(re.search(r"iter_(\d+)", last).group(1)) + 2, "--load", str(tmp_path / "ckpt")
+    )
+    out, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly_then_the_run_resumes_exactly(tmp_path: Path) -> None:
+    iterations = 30
+    process = start(tmp_path, iterations)
+    wait_for_iteration(tmp_path, 3, process)
+    process.send_signal(signal.SIGTERM)  # a SLURM preemption reaches the launcher first
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert "Traceback" not in err, err
+    stopped = re.search(r"stopped by SIGTERM after iteration (\d+): saved (\S+); resume with", out + err)
+    assert stopped, out + err
+    at = int(stopped.group(1))
+    assert at < iterations and Path(stopped.group(2)).is_dir() and f"iter_{at:07d}" in stopped.group(2)
+    before = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert before[-1]["iteration"] == at
+    # the same command with --load finishes the run; its losses are those of an uninterrupted run
+    resumed = start(tmp_path, iterations, "--load", str(tmp_path / "ckpt"))
+    _, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err
+    after = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    whole = start(fresh, iterations)
+    whole.communicate(timeout=240)
+    reference = [json.loads(line) for line in (fresh / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in after] == list(range(1, iterations + 1))
+    assert [r["loss"] for r in after] == [r["loss"] for r in reference]
