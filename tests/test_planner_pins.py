@@ -253,3 +253,30 @@ def test_from_args_reads_its_own_flags_the_way_plan_emits_them(capsys: pytest.Ca
     for key in ("tp", "cp", "pp", "dp", "vpp", "schedule", "slices", "offload", "recompute"):
         assert run[key] == best[key], key
     assert run["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-6)
+
+
+def test_vocabulary_parallelism_pinned_spreads_the_output_layer(capsys: pytest.CaptureFixture) -> None:
+    """--pp-vocab-parallel as a pin: the plans carry it, the last rank no longer holds the 128K
+    output layer (smaller static memory), and the busiest-rank imbalance it caused (the bubble)
+    shrinks; the flags it emits read back to the same plan."""
+    base = ["--model", "llama3-8b", "--gpus", "32", "--seq-length", "8192", "--pp-schedule", "1f1b",
+            "--pipeline-model-parallel-size", "8", "--json", "--top", "1"]  # fmt: skip
+    _, plain, _ = run_cli(capsys, ["plan", *base])
+    code, spread, _ = run_cli(capsys, ["plan", *base, "--pp-vocab-parallel", "vocab-2"])
+    assert code == 0
+    plain_plan, vocab_plan = json.loads(plain)[0], json.loads(spread)[0]
+    assert plain_plan["vocab_parallel"] == "none" and vocab_plan["vocab_parallel"] == "vocab-2"
+    static = lambda plan: sum(plan["memory_parts_gib"][k] for k in ("weights", "gradients", "optimizer"))  # noqa: E731
+    assert static(vocab_plan) < static(plain_plan)
+    assert vocab_plan["bubble"] < plain_plan["bubble"]
+    assert vocab_plan["step_time_s"] < plain_plan["step_time_s"]
+    code, flags, _ = run_cli(
+        capsys, ["plan", *base[:-3], "--pp-vocab-parallel", "vocab-2", "--emit", "flags"]
+    )
+    assert "--pp-vocab-parallel vocab-2" in flags
+    code, out, _ = run_cli(
+        capsys, ["plan", "--from-args", flags.strip() + " --vocab-size 128256", "--gpus", "32", "--json"]
+    )
+    run = json.loads(out)["run"]
+    assert run["vocab_parallel"] == "vocab-2"
+    assert run["step_time_s"] == pytest.approx(vocab_plan["step_time_s"], rel=1e-6)

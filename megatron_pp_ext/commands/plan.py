@@ -78,7 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     pins.add_argument("--recompute-method", choices=("uniform", "block"))
     pins.add_argument("--pp-schedule", choices=list(SCHEDULES))
     pins.add_argument("--pp-offload", choices=("none", "auto", "full", "selective"))
-    pins.add_argument("--pp-vocab-parallel", help="not modelled by the planner yet (refused)")
+    pins.add_argument("--pp-vocab-parallel", choices=("none", "vocab-1", "vocab-2"))
     shape = parser.add_argument_group("Megatron's shape flags (override the model's)")
     for flag in SHAPE_FLAGS:
         shape.add_argument(flag, type=int, default=None)
@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
             f"{spec.name} at {problem.seq_length} tokens on {problem.gpus} x {problem.profile.name} "
             f"({problem.gpus_per_node} per node), global batch {problem.global_batch}"
         )
+        if pins.pinned:
+            title += "; pinned: " + ", ".join(pins.pinned)
         print(summary(result, title))
     return 0
 
@@ -232,10 +234,6 @@ def predict_run(args: argparse.Namespace) -> int:
 
 def pins_from_args(args: argparse.Namespace, problem: Problem) -> Pins:
     """The layout flags given on the command line as pins (none given: a free search)."""
-    if args.pp_vocab_parallel not in (None, "none"):
-        raise UsageError(
-            "--pp-vocab-parallel", "is not modelled by the planner yet: leave it out to plan the rest"
-        )
     if args.recompute_method is not None and args.recompute_granularity != "full":
         raise UsageError("--recompute-method", "needs --recompute-granularity full")
     block = args.recompute_method == "block"
@@ -259,6 +257,7 @@ def pins_from_args(args: argparse.Namespace, problem: Problem) -> Pins:
             schedule=args.pp_schedule,
             slices=args.pp_seq_slices,
             offload=args.pp_offload,
+            vocab=args.pp_vocab_parallel,
             tp_comm_overlap=args.tp_comm_overlap,
             flags={"vpp": vpp_flag},
         )

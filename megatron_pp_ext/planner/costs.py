@@ -27,6 +27,10 @@ offload bytes, FLOPs for MFU) and computes durations itself, per layer and slice
   dropout reads it and writes its output and mask (5), PV reads it (2): 13 bytes; the backward
   twice that. Without recomputation a layer keeps 5 bytes per score (Korthikanti et al. 2022,
   sec. 4: softmax output, dropout mask and output, "5as^2b");
+* vocabulary parallelism (``--pp-vocab-parallel vocab-1|vocab-2``, ``schedule/vocab.py``): the
+  output layer leaves the last stage; every rank runs S and T on its 1/p of the vocabulary (vocab-1:
+  one GEMM in S, two in T; vocab-2: two and one) with its softmax traffic, and the collectives over
+  the pipeline ranks take their bytes (``FlopCosts.collective_time``'s sizes) over the pipeline link;
 * Transformer Engine's ``--tp-comm-overlap``: each SP all-gather or reduce-scatter runs in chunks
   beside the GEMM it feeds or drains, so only what the GEMMs cannot cover is exposed.
 
@@ -85,6 +89,7 @@ class PlanCosts:
         recompute_layers: int | None = None,
         tp_comm_overlap: bool = False,
         attention: str = "flash",
+        vocab: str = "none",
     ) -> None:
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -104,7 +109,10 @@ class PlanCosts:
             layers_per_stage=layers_per_stage,
             parallel=parallel,
             host_bandwidth=profile.pcie_bandwidth,
+            vocab_parallel=vocab,
+            pipeline_ranks=layout.pp,
         )
+        self.vocab = vocab
         self.shape, self.layout, self.profile = shape, layout, profile
         self.kernels = Kernels(profile)
         self.recompute = recompute
@@ -120,6 +128,7 @@ class PlanCosts:
         self.ranks_per_host = 1
         self._layer = [self._layer_times(j) for j in range(len(lengths))]
         self._head = [self._head_times(j) for j in range(len(lengths))]
+        self._vocab = [self._vocab_times(j) for j in range(len(lengths))]
         self._activation: dict[tuple[int, int], float] = {}
         self._share: dict[tuple[int, int], float] = {}
         self._offload: dict[tuple[int, int], float] = {}
@@ -201,6 +210,24 @@ class PlanCosts:
         forward = gemm + loss + tp
         return LayerTimes(forward, gemm + loss + tp, gemm, 2 * gemm + loss + tp)
 
+    def _vocab_times(self, j: int) -> tuple[float, float]:
+        """(S, T) seconds of slice j on one rank under vocabulary parallelism: GEMMs over this
+        rank's 1/(p t) of the vocabulary, the fp32 logits written and read in S (max and sum-exp),
+        their gradient written and read in T."""
+        if self.vocab == "none":
+            return 0.0, 0.0
+        s, t, k = self.shape, self.layout.tp, self.kernels
+        n, e = self._local_tokens(j), s.bytes_per_element
+        shard = padded_vocab(s.vocab, t * self.layout.pp) / (t * self.layout.pp)
+        gemm = k.gemm(n, shard, s.hidden, e)
+        traffic = k.memory(2 * 4 * n * shard)
+        s_gemms, t_gemms = (2, 1) if self.vocab == "vocab-2" else (1, 2)
+        tp = self._tp_collective(j)
+        return s_gemms * gemm + traffic + tp, t_gemms * gemm + traffic
+
+    def vocab_seconds(self, j: int = 0) -> tuple[float, float]:
+        return self._vocab[j]
+
     # ---- CostModel ----------------------------------------------------------------------------
 
     def duration(self, op: Op) -> float:
@@ -211,6 +238,8 @@ class PlanCosts:
         return seconds
 
     def _duration_of(self, op: Op) -> float:
+        if op.kind in (OpKind.S, OpKind.T):
+            return self._vocab[op.slice][0 if op.kind is OpKind.S else 1]
         if not op.is_compute:
             return 0.0
         field = {OpKind.F: "forward", OpKind.B: "backward", OpKind.W: "weight", OpKind.BW: "fused"}[op.kind]
@@ -218,7 +247,7 @@ class PlanCosts:
         total = self.layers[op.stage] * getattr(times, field)
         if op.kind in (OpKind.B, OpKind.BW):
             total += self.recomputed_layers(op.stage) * times.recompute
-        if op.stage == self.num_stages - 1:
+        if op.stage == self.num_stages - 1 and self.vocab == "none":
             total += getattr(self._head[op.slice], field)
         return total
 
@@ -290,6 +319,19 @@ class PlanCosts:
 
     def comm_latency(self, op: Op) -> float:
         return self._message[op.slice]
+
+    def vocab_activation(self, op: Op) -> float:
+        return self.base.vocab_activation(op)
+
+    def collective_time(self, op: Op) -> float:
+        """A vocabulary collective over the pipeline ranks: FlopCosts' bytes over their link."""
+        if self.vocab == "none":
+            return 0.0
+        seconds = self.base.collective_time(op)
+        if seconds <= 0:
+            return 0.0
+        size = (seconds - self.base.p2p_latency) * self.base.p2p_bandwidth
+        return self.kernels.p2p(size, self.layout.pp_intra)
 
     def offload_bytes(self, op: Op) -> float:
         key = (op.stage, op.slice)

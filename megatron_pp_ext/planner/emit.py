@@ -49,6 +49,10 @@ def parallel_flags(plan: PlanResult) -> list[str]:
         flags += ["--pp-seq-slices", str(c.slices)]
     if c.offload != "none":
         flags += ["--pp-offload", c.offload]
+    if c.vocab != "none":
+        flags += ["--pp-vocab-parallel", c.vocab]
+        if c.slices > 1:
+            flags.append("--calculate-per-token-loss")  # the plugin's vocab passes need it with slices
     if c.recompute == "full":
         flags += RECOMPUTE_FLAGS
     if splits_backward(c.schedule):

@@ -145,11 +145,6 @@ def read_args(text: str) -> Run:
         notes.append(
             "no --bf16 or --fp16: Megatron trains in FP32; predicted in BF16 (FP32 is several times slower)"
         )
-    if args.pp_vocab_parallel not in (None, "none", "0", "false"):
-        raise ArgsError(
-            "--pp-vocab-parallel",
-            "--pp-vocab-parallel is not modelled by the planner yet: leave it out to predict the rest",
-        )
     if args.rampup_batch_size:
         notes.append("--rampup-batch-size: predicted at the full --global-batch-size")
     shape = _shape(args)
@@ -239,6 +234,7 @@ def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
             schedule=schedule,
             slices=args.pp_seq_slices or 1,
             offload=args.pp_offload or "none",
+            vocab=args.pp_vocab_parallel or "none",
             tp_comm_overlap=bool(args.tp_comm_overlap),
             overlap_grad_reduce=bool(args.overlap_grad_reduce),
             overlap_param_gather=bool(args.overlap_param_gather),

@@ -16,9 +16,11 @@ from ..schedule.generators import SCHEDULES
 from ..schedule.models import ModelShape
 from .layout import Layout, layouts
 
-# Candidate fields a pinned run fixes that the search never varies (the run's environment).
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 OFFLOADS = ("none", "auto", "full", "selective")
+VOCABS = ("none", "vocab-1", "vocab-2")
+# Candidate fields that are the run's software, not layout choices: a free search over the same
+# run keeps them as given (``Pins.environment``).
 ENVIRONMENT = (
     "tp_comm_overlap",
     "overlap_grad_reduce",
@@ -52,6 +54,7 @@ class Pins:
     schedule: str | None = None
     slices: int | None = None
     offload: str | None = None
+    vocab: str | None = None  # --pp-vocab-parallel
     # the run's software, not layout choices: the search keeps them as given
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = True
@@ -71,6 +74,8 @@ class Pins:
             raise PinError("--recompute-granularity", f"choose full or selective, got {self.recompute!r}")
         if self.offload not in (None, *OFFLOADS):
             raise PinError("--pp-offload", f"choose from {', '.join(OFFLOADS)}, got {self.offload!r}")
+        if self.vocab not in (None, *VOCABS):
+            raise PinError("--pp-vocab-parallel", f"choose from {', '.join(VOCABS)}, got {self.vocab!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise PinError(
                 "--pp-schedule", f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}"
@@ -90,6 +95,7 @@ class Pins:
             "schedule": "--pp-schedule",
             "slices": "--pp-seq-slices",
             "offload": "--pp-offload",
+            "vocab": "--pp-vocab-parallel",
         }[name]
         return self.flags.get(name, default)
 
@@ -103,7 +109,7 @@ class Pins:
         ]
         names += [
             n
-            for n in ("sequence_parallel", "distributed_optimizer", "recompute", "offload")
+            for n in ("sequence_parallel", "distributed_optimizer", "recompute", "offload", "vocab")
             if getattr(self, n) is not None
         ]
         return [self.flag(n) for n in names]
@@ -228,6 +234,8 @@ class Pins:
         if self.recompute is not None:
             options["recompute"] = self.recompute
             options["recompute_layers"] = self.recompute_layers
+        if self.vocab is not None:
+            options["vocab"] = self.vocab
         return options
 
     @property

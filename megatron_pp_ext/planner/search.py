@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 from ..schedule.generators import SCHEDULES, generate
 from ..schedule.ir import Placement
-from ..schedule.memory_model import stage_layers, static_memory
+from ..schedule.memory_model import stage_layers
 from ..schedule.partition import PartitionError
 from .costs import PlanCosts
 from .layout import Layout, divisors, layout_problem
@@ -43,6 +43,7 @@ from .step import (
     lower_bound_memory,
     lower_bound_time,
     microbatches_of,
+    static_parts,
 )
 
 MIN_SLICE = 4096  # tokens: shorter slices leave the GEMMs too small to be worth it
@@ -152,6 +153,7 @@ def bounds(problem: Problem, candidate: Candidate) -> tuple[float, float]:
         candidate.recompute_layers,
         candidate.tp_comm_overlap,
         candidate.attention,
+        candidate.vocab,
     )
     m = microbatches_of(problem, candidate.layout)
     seconds = lower_bound_time(stub, costs, m)  # type: ignore[arg-type]
@@ -159,10 +161,10 @@ def bounds(problem: Problem, candidate: Candidate) -> tuple[float, float]:
     return seconds, memory
 
 
-def static_fits(problem: Problem, layout: Layout) -> float:
+def static_fits(problem: Problem, layout: Layout, vocab: str = "none") -> float:
     """Largest weights + gradients + optimizer state of a rank, plus the reserve (bytes)."""
     layers = stage_layers(problem.shape.layers, layout.pp)
-    static = static_memory(problem.shape, Placement(layout.pp, layout.pp), layout.parallel, layers)
+    static = static_parts(problem.shape, Placement(layout.pp, layout.pp), layout.parallel, layers, vocab)
     return max(p.weights + p.gradients + p.optimizer for p in static) + problem.profile.reserved_bytes
 
 
@@ -335,7 +337,7 @@ def search(
         if found:
             result.reject(*found)
             continue
-        static = static_fits(problem, layout)
+        static = static_fits(problem, layout, pins.vocab or "none")
         if static > problem.profile.memory_bytes:
             result.reject(
                 "out of memory: weights, gradients, optimizer",

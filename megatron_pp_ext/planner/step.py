@@ -22,7 +22,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
-from ..schedule.ir import Op, OpKind, Schedule
+from ..schedule.ir import Op, OpKind, Placement, Schedule
 from ..schedule.lowering import lower
 from ..schedule.memory_model import padded_vocab, stage_layers, static_memory
 from ..schedule.models import ModelShape
@@ -30,6 +30,7 @@ from ..schedule.offload import OffloadError, OffloadPolicy, apply_offload
 from ..schedule.partition import PartitionError
 from ..schedule.simulate import SimResult, simulate
 from ..schedule.validate import ScheduleError
+from ..schedule.vocab import VocabError, add_vocab_passes, vocab_static_memory
 from .costs import PlanCosts
 from .devices import GIB, DeviceProfile
 from .kernels import Kernels
@@ -80,6 +81,7 @@ class Candidate:
     grad_reduce_buckets: bool = False
     overlap_param_gather: bool = True  # --overlap-param-gather (distributed optimizer)
     attention: str = "flash"  # or "unfused" (--attention-backend local|unfused; Megatron before 2023)
+    vocab: str = "none"  # --pp-vocab-parallel vocab-1 | vocab-2
 
     def label(self) -> str:
         extra = [f"offload {self.offload}"] if self.offload != "none" else []
@@ -87,6 +89,7 @@ class Candidate:
             block = f" (block {self.recompute_layers})" if self.recompute_layers is not None else ""
             extra.append(f"recompute {self.recompute}{block}")
         extra += ["tp-comm-overlap"] if self.tp_comm_overlap else []
+        extra += [self.vocab] if self.vocab != "none" else []
         extra += ["no grad-reduce overlap"] if not self.overlap_grad_reduce else []
         return f"{self.layout.label()} {self.schedule} v{self.vpp} k{self.slices}" + "".join(
             f", {e}" for e in extra
@@ -179,6 +182,7 @@ class PlanResult:
             "grad_reduce_buckets": c.grad_reduce_buckets,
             "overlap_param_gather": c.overlap_param_gather,
             "attention": c.attention,
+            "vocab_parallel": c.vocab,
             "sequence_parallel": lay.parallel.sp,
             "distributed_optimizer": lay.parallel.distributed_optimizer,
             "microbatches": self.microbatches,
@@ -223,9 +227,14 @@ def simulated_count(microbatches: int, candidate: Candidate, full: bool) -> int:
 
 
 @lru_cache(maxsize=64)
-def _lowered(name: str, pp: int, microbatches: int, vpp: int, slices: int, costs: Costs | None) -> Schedule:
-    """Generated and lowered once; layouts with the same pipeline shape share it."""
-    return lower(generate(name, pp, microbatches, vpp=vpp, slices=slices, costs=costs))
+def _lowered(
+    name: str, pp: int, microbatches: int, vpp: int, slices: int, costs: Costs | None, vocab: str = "none"
+) -> Schedule:
+    """Generated and lowered once; layouts with the same pipeline shape share it. Vocabulary
+    passes are placed as the runtime places them (``add_vocab_passes`` at its own unit costs)."""
+    return lower(
+        add_vocab_passes(generate(name, pp, microbatches, vpp=vpp, slices=slices, costs=costs), vocab)
+    )
 
 
 _OFFLOADED: dict[tuple[int, str, float], tuple[Schedule, Schedule]] = {}
@@ -268,9 +277,12 @@ def build_schedule(candidate: Candidate, microbatches: int, unit_costs: Costs | 
             candidate.vpp,
             candidate.slices,
             unit_costs if candidate.schedule == "zb-auto" else None,
+            candidate.vocab,
         )
     except RequestError as error:
         raise Rejection(f"schedule: {error.flag}", str(error)) from None
+    except VocabError as error:
+        raise Rejection("schedule: --pp-vocab-parallel", str(error)) from None
 
 
 def peak_activations(schedule: Schedule, costs: PlanCosts) -> list[float]:
@@ -295,17 +307,33 @@ def peak_activations(schedule: Schedule, costs: PlanCosts) -> list[float]:
                 level -= held.pop(op.unit)
             elif kind is OpKind.BW:
                 level -= costs.activation(op)
+            elif kind is OpKind.S:
+                level += costs.vocab_activation(op)
+                peak = max(peak, level)
+            elif kind is OpKind.T:
+                level -= costs.vocab_activation(op)
         peaks.append(peak)
     return peaks
 
 
-def stage_params(shape: ModelShape, layers: list[int], tp: int) -> list[int]:
-    """Parameters of each virtual stage on one TP rank (as ``memory_model.rank_params``)."""
+def stage_params(
+    shape: ModelShape, layers: list[int], tp: int, vocab_over: Placement | None = None
+) -> list[int]:
+    """Parameters of each virtual stage on one TP rank (as ``memory_model.rank_params``); with
+    ``vocab_over`` (vocabulary parallelism) each rank's first stage holds its 1/p of the
+    embedding and the output layer instead of the first and last stage holding them whole."""
     layer = shape.layer_params() // tp + 2 * shape.hidden
-    vocab = padded_vocab(shape.vocab, tp) // tp * shape.hidden
     params = [count * layer for count in layers]
-    params[0] += vocab
-    params[-1] += vocab + shape.hidden
+    params[-1] += shape.hidden
+    if vocab_over is None:
+        vocab = padded_vocab(shape.vocab, tp) // tp * shape.hidden
+        params[0] += vocab
+        params[-1] += vocab
+        return params
+    shards = tp * vocab_over.pp
+    shard = padded_vocab(shape.vocab, shards) // shards * shape.hidden
+    for rank in range(vocab_over.pp):
+        params[min(vocab_over.stages_of(rank))] += 2 * shard
     return params
 
 
@@ -339,6 +367,7 @@ def evaluate(
             candidate.recompute_layers,
             candidate.tp_comm_overlap,
             candidate.attention,
+            candidate.vocab,
         )
     except PartitionError as error:
         raise Rejection("indivisible: slices", str(error)) from None
@@ -402,7 +431,7 @@ def _assemble(
     # chunk's last backward has produced it: the reduce starts with that backward and ends no
     # sooner than one bucket after it.
     group = layout.dp * layout.cp
-    params = stage_params(shape, layers, layout.tp)
+    params = stage_params(shape, layers, layout.tp, schedule.placement if candidate.vocab != "none" else None)
     sharded = layout.parallel.distributed_optimizer
     grad_bytes = 4 if candidate.grad_reduce_in_fp32 else shape.bytes_per_element
     bucket = max(40e6, 1e6 * group)
@@ -507,11 +536,15 @@ def _stage_ends(result: SimResult, rank: int, stages: list[int]) -> list[tuple[f
 
 
 def _model_flops(schedule: Schedule, costs: PlanCosts) -> float:
-    """Model FLOPs of one microbatch (forward, input and weight gradients; no recompute)."""
+    """Model FLOPs of one microbatch (forward, input and weight gradients; no recompute; with
+    vocabulary parallelism the output layer's S and T on every rank)."""
     total = 0.0
-    for stage in range(schedule.num_stages):
-        for j in range(schedule.slices):
+    last = schedule.num_stages - 1
+    for j in range(schedule.slices):
+        for stage in range(schedule.num_stages):
             total += sum(costs.flops(Op(kind, stage, 0, j)) for kind in (OpKind.F, OpKind.B, OpKind.W))
+        if costs.vocab != "none":
+            total += schedule.pp * sum(costs.flops(Op(kind, last, 0, j)) for kind in (OpKind.S, OpKind.T))
     return total
 
 
@@ -525,7 +558,7 @@ def _memory(
 ) -> MemoryBreakdown:
     """The rank with the largest total: static parts, activation peak, buffers, reserve."""
     layout, shape = candidate.layout, problem.shape
-    static = static_memory(shape, schedule.placement, layout.parallel, layers)
+    static = static_parts(shape, schedule.placement, layout.parallel, layers, candidate.vocab)
     e = shape.bytes_per_element
     longest = problem.micro_batch * max(costs.lengths)
     buffers = 4 * longest * shape.hidden * e / layout.parallel.sequence_split  # p2p in flight
@@ -556,7 +589,7 @@ def lower_bound_memory(problem: Problem, candidate: Candidate, costs: PlanCosts,
     of its stages (they all ran their forwards and none of their backwards yet)."""
     layout = candidate.layout
     layers = costs.layers
-    static = static_memory(problem.shape, schedule.placement, layout.parallel, layers)
+    static = static_parts(problem.shape, schedule.placement, layout.parallel, layers, candidate.vocab)
     rank = schedule.placement.rank_of(schedule.num_stages - 1)
     held = sum(
         costs.activation(Op(OpKind.F, stage, 0, j))
@@ -565,6 +598,15 @@ def lower_bound_memory(problem: Problem, candidate: Candidate, costs: PlanCosts,
     )
     parts = static[rank]
     return parts.weights + parts.gradients + parts.optimizer + held + problem.profile.reserved_bytes
+
+
+def static_parts(
+    shape: ModelShape, placement: Placement, parallel: Any, layers: list[int], vocab: str
+) -> list[Any]:
+    """Weights, gradients and optimizer state per rank, the vocabulary spread when it is."""
+    if vocab == "none":
+        return static_memory(shape, placement, parallel, layers)
+    return vocab_static_memory(shape, placement, parallel, layers)
 
 
 def lower_bound_time(schedule: Schedule, costs: PlanCosts, microbatches: int) -> float:
@@ -580,12 +622,15 @@ def lower_bound_time(schedule: Schedule, costs: PlanCosts, microbatches: int) ->
     )
     placement = schedule.placement
     last = placement.rank_of(schedule.num_stages - 1)
+    if costs.vocab != "none":  # every rank runs its share of the output layer
+        shared = sum(sum(costs.vocab_seconds(j)) for j in range(schedule.slices))
     busiest = 0.0
     for rank in range(schedule.pp):
         stages = placement.stages_of(rank)
         layers = sum(costs.layers[s] for s in stages)
         rerun = sum(costs.recomputed_layers(s) for s in stages) * recompute
-        busiest = max(busiest, layers * per_layer + rerun + (head if rank == last else 0.0))
+        output = shared if costs.vocab != "none" else (head if rank == last else 0.0)
+        busiest = max(busiest, layers * per_layer + rerun + output)
     return busiest * microbatches
 
 
