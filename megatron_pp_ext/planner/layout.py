@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..schedule.memory_model import Parallelism
+from ..schedule.memory_model import Parallelism, tp_indivisible
 from ..schedule.models import ModelShape
 
 
@@ -81,9 +81,9 @@ def layout_problem(
 ) -> tuple[str, str] | None:
     """Why Megatron (or the plugin) would refuse ``layout``, as (reason, detail); None if valid."""
     t, p, d = layout.tp, layout.pp, layout.dp
-    for what, count in (("attention heads", shape.heads), ("KV heads", shape.kv_heads), ("FFN", shape.ffn)):
-        if count % t:
-            return "indivisible: TP", f"TP{t} does not divide the {count} {what}"
+    indivisible = tp_indivisible(shape, t)
+    if indivisible:
+        return "indivisible: TP", f"TP{t} does not divide the {indivisible}"
     if t > layout.gpus_per_node:
         return "TP across nodes", f"TP{t} is wider than a node of {layout.gpus_per_node} GPUs"
     multiple = layout.parallel.sequence_multiple

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from ..schedule.generators import SCHEDULES
+from ..schedule.memory_model import tp_indivisible
 from ..schedule.models import ModelShape
 from .layout import Layout, layouts
 
@@ -119,15 +120,11 @@ class Pins:
     def check(self, shape: ModelShape, gpus: int, gpus_per_node: int) -> None:
         """Refuse a pin that no layout of ``gpus`` can meet (PinError naming the flag)."""
         if self.tp is not None:
-            for what, count in (
-                ("attention heads", shape.heads),
-                ("KV heads", shape.kv_heads),
-                ("FFN width", shape.ffn),
-            ):
-                if count % self.tp:
-                    raise PinError(
-                        self.flag("tp"), f"{self.flag('tp')} {self.tp} does not divide the {count} {what}"
-                    )
+            indivisible = tp_indivisible(shape, self.tp)
+            if indivisible:
+                raise PinError(
+                    self.flag("tp"), f"{self.flag('tp')} {self.tp} does not divide the {indivisible}"
+                )
             if self.tp > gpus_per_node:
                 raise PinError(
                     self.flag("tp"),

@@ -81,6 +81,19 @@ class Parallelism:
         return (per_token.inside / self.tp + per_token.outside / (self.tp if self.sp else 1)) / self.cp
 
 
+def tp_indivisible(shape: ModelShape, tp: int) -> str | None:
+    """What of ``shape`` TP ``tp`` does not split evenly ("64 attention heads"), or None: Megatron
+    splits heads, KV heads and the FFN width over the tensor-parallel ranks."""
+    for what, count in (
+        ("attention heads", shape.heads),
+        ("KV heads", shape.kv_heads),
+        ("FFN width", shape.ffn),
+    ):
+        if count % tp:
+            return f"{count} {what}"
+    return None
+
+
 def check_parallel(shape: ModelShape, seq_length: int, parallel: Parallelism) -> None:
     """Raise :class:`ParallelError` for a layout megatron-core would refuse (its ``divide``
     asserts), naming the flag to change."""
@@ -95,17 +108,12 @@ def check_parallel(shape: ModelShape, seq_length: int, parallel: Parallelism) ->
         raise ParallelError(
             "--sequence-parallel needs --tensor-model-parallel-size > 1", "--sequence-parallel"
         )
-    for what, count in (
-        ("attention heads", shape.heads),
-        ("kv heads", shape.kv_heads),
-        ("FFN width", shape.ffn),
-    ):
-        if count % parallel.tp:
-            raise ParallelError(
-                f"--tensor-model-parallel-size {parallel.tp} does not divide the {count} {what} of "
-                f"{shape.name}",
-                "--tensor-model-parallel-size",
-            )
+    indivisible = tp_indivisible(shape, parallel.tp)
+    if indivisible:
+        raise ParallelError(
+            f"--tensor-model-parallel-size {parallel.tp} does not divide the {indivisible} of {shape.name}",
+            "--tensor-model-parallel-size",
+        )
     multiple = parallel.sequence_multiple
     if seq_length % multiple:
         parts = (
