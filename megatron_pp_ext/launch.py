@@ -116,7 +116,9 @@ def run(worker: Callable[..., Any], world_size: int, *args: Any, grace_s: float 
     # a rank killed mid-run leaves its semaphores to multiprocessing's resource tracker, which
     # warns about them at exit: expected then, and the job's own lines say what happened
     quiet_tracker = "ignore:resource_tracker:UserWarning"
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet_tracker]))
+    given_warnings = os.environ.get("PYTHONWARNINGS", "")
+    if quiet_tracker not in given_warnings.split(","):
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [given_warnings, quiet_tracker]))
     context = mp.start_processes(
         _entry,
         args=(world_size, free_port(), worker, args),

@@ -1,8 +1,11 @@
 """A graceful stop: SIGTERM (a SLURM preemption, ``scancel``) or SIGINT (Ctrl-C) asks a training job
-to stop at the end of its current iteration. Every rank must stop at the same iteration (a
-checkpoint is a collective), so at the end of each iteration the ranks agree with one all-reduce;
-then the job saves when ``--save`` is given and exits cleanly. A second signal, a few seconds
-after the first, takes the default action (stop at once), for a user who will not wait.
+to stop at the end of an iteration. Every rank must stop at the same iteration (a checkpoint is a
+collective), so the ranks agree with one all-reduce, started at the end of each iteration and read
+at the end of the next: it never waits for a slower rank (no per-iteration barrier, which would
+bring back the step-boundary bubble that post-validation removes), and the job stops one
+iteration after the signal. It saves when ``--save`` is given and exits cleanly. A second signal,
+a few seconds after the first, takes the default action (stop at once), for a user who will not
+wait.
 """
 
 from __future__ import annotations
@@ -13,9 +16,8 @@ import time
 from typing import Any
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-FORCE_AFTER_S = (
-    2.0  # a repeat sooner than this is the same request (Ctrl-C reaches every rank and its parent)
-)
+# a repeat sooner than this is the same request (Ctrl-C reaches every rank and its parent)
+FORCE_AFTER_S = 2.0
 
 
 class StopRequest:
@@ -25,6 +27,7 @@ class StopRequest:
         self.signal_name: str | None = None
         self.received_at = 0.0
         self.previous: dict[int, Any] = {}
+        self._pending: tuple[Any, Any, str | None] | None = None  # (work, flag, name) in flight
 
     def install(self) -> StopRequest:
         """Handle SIGTERM and SIGINT here (the main thread: Python runs handlers there)."""
@@ -47,16 +50,31 @@ class StopRequest:
             self.signal_name, self.received_at = signal.Signals(signum).name, now
 
     def agreed(self, device: Any) -> str | None:
-        """Collective over the world group: the signal's name when any rank received one (every
-        rank returns the same answer), else None."""
+        """Collective over the world group, called by every rank at every iteration end: the
+        answer to the previous call's question (the same on every rank): the signal's name when
+        any rank had received one by then, else None; unless it is yes, this call's question is
+        sent (asynchronously)."""
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not int(flag.item()):
+        answer = self._answer()
+        if answer is None:
+            flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32, device=device)
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+            self._pending = (work, flag, self.signal_name)
+        return answer
+
+    def _answer(self) -> str | None:
+        if self._pending is None:
             return None
-        return self.signal_name or "a signal to another rank"
+        work, flag, name = self._pending
+        self._pending = None
+        work.wait()
+        return (name or "a signal to another rank") if int(flag.item()) else None
+
+    def finish(self) -> None:
+        """At the run's end: complete the question in flight (every rank sent it)."""
+        self._answer()
 
 
 def forward_to(processes: list[Any]) -> dict[int, Any]:

@@ -973,6 +973,8 @@ class TrainJob:
                 and self._stopped(iteration, save, progress)
             ):
                 break
+        if self.stop is not None:
+            self.stop.finish()
         progress.close()
         if metrics_file:
             metrics_file.close()
@@ -1043,8 +1045,9 @@ class TrainJob:
             metrics_file.flush()
 
     def _stopped(self, iteration: int, saved: bool, progress: Any) -> bool:
-        """At an iteration's end: whether a signal asked any rank to stop (all ranks agree);
-        if so, save (unless this iteration just did) and say how to resume."""
+        """At an iteration's end: whether a signal asked any rank to stop (all ranks agree, one
+        iteration later: ``stop.py``); if so, save (unless this iteration just did) and say how to
+        resume."""
         assert self.stop is not None
         self.phase = f"the stop check at the end of iteration {iteration} (every rank)"
         name = self.stop.agreed(self.device)
