@@ -500,8 +500,7 @@ def _param_gather_exposed(
     pre-hook waits for a bucket's gather and dispatches the next one, in the first forward of
     each chunk: the first bucket waits, the rest hide behind that forward. A rank's wait delays
     the pipeline only beyond the time its first forward waited for its input anyway."""
-    layout, shape = candidate.layout, schedule
-    link = layout.dp_intra
+    link = candidate.layout.dp_intra
     element = 2  # bf16 parameters
     first: dict[int, tuple[float, float]] = {}
     for event in result.events:
@@ -510,8 +509,8 @@ def _param_gather_exposed(
         ):
             first[event.op.stage] = (event.start, event.end - event.start)
     worst = 0.0
-    for rank in range(shape.pp):
-        stages = sorted(shape.placement.stages_of(rank))
+    for rank in range(schedule.pp):
+        stages = sorted(schedule.placement.stages_of(rank))
         waited = 0.0
         for stage in stages:
             whole = kernels.collective(element * params[stage], group, link)
