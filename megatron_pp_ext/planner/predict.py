@@ -40,11 +40,7 @@ def pinned_candidate(problem: Problem, pins: Pins) -> Candidate:
     vpp = pins.vpp or 1
     if pins.layers_per_virtual_stage is not None:
         vpp = problem.shape.layers // (layout.pp * pins.layers_per_virtual_stage)
-    return Candidate(layout, pins.schedule, vpp, pins.slices or 1, **_options(pins))  # type: ignore[arg-type]
-
-
-def _options(pins: Pins) -> dict:
-    return {"offload": "none", "recompute": "none", **pins.candidate_options()}
+    return Candidate(layout, pins.schedule, vpp, pins.slices or 1, **pins.candidate_options())  # type: ignore[arg-type]
 
 
 def predict(problem: Problem, pins: Pins) -> PlanResult:

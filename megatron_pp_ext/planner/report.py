@@ -45,16 +45,10 @@ def table(rows: list[dict[str, str]]) -> str:
 def summary(result: SearchResult, title: str) -> str:
     lines = [title, table([plan_row(i + 1, p) for i, p in enumerate(result.plans)])]
     best = result.plans[0]
-    parts = best.memory.to_gib()
+    capacity = best.problem.profile.memory_bytes / 2**30
     lines.append(
-        f"top plan, per GPU: {parts['total']:.1f} GiB = weights {parts['weights']:.1f} + gradients "
-        f"{parts['gradients']:.1f} + optimizer {parts['optimizer']:.1f} + activations "
-        f"{parts['activations']:.1f} + communication buffers {parts['comm_buffers']:.1f} + reserved "
-        f"{parts['reserved']:.1f} (of {best.problem.profile.memory_bytes / 2**30:.1f}); step = pipeline "
-        f"{best.pipeline_time:.3f} s + exposed gradient sync {best.grad_sync_exposed:.3f} s + optimizer "
-        f"{best.optimizer_time:.3f} s + exposed parameter all-gather {best.param_gather_exposed:.3f} s; "
-        f"{best.microbatches} microbatches of {best.problem.micro_batch} "
-        "per DP rank"
+        f"top plan, per GPU: {best.memory_gib:.1f} GiB = {memory_parts(best)} (of {capacity:.1f}); "
+        f"{step_parts(best)}"
     )
     lines.extend(f"  note: {note}" for note in best.notes)
     lines.append(rejections(result))
@@ -74,24 +68,35 @@ def rejections(result: SearchResult) -> str:
     return "\n".join(lines)
 
 
+def memory_parts(plan: PlanResult) -> str:
+    """'weights W + gradients G + ... + reserved R' in GiB: one GPU's memory by part."""
+    parts = plan.memory.to_gib()
+    return (
+        f"weights {parts['weights']:.1f} + gradients {parts['gradients']:.1f} + optimizer "
+        f"{parts['optimizer']:.1f} + activations {parts['activations']:.1f} + communication buffers "
+        f"{parts['comm_buffers']:.1f} + reserved {parts['reserved']:.1f}"
+    )
+
+
+def step_parts(plan: PlanResult) -> str:
+    """Where the step goes: the pipeline and what the data-parallel step adds to it."""
+    return (
+        f"step = pipeline {plan.pipeline_time:.3f} s + exposed gradient sync "
+        f"{plan.grad_sync_exposed:.3f} s + optimizer {plan.optimizer_time:.3f} s + exposed parameter "
+        f"all-gather {plan.param_gather_exposed:.3f} s; {plan.microbatches} microbatches of "
+        f"{plan.problem.micro_batch} per DP rank"
+    )
+
+
 def plan_lines(plan: PlanResult) -> list[str]:
     """A plan's prediction: throughput, memory by part, where the step goes."""
-    parts = plan.memory.to_gib()
     capacity = plan.problem.profile.memory_bytes / 2**30
     fits = "fits" if plan.fits else "DOES NOT FIT"
     return [
         f"  {plan.step_time:.3f} s/step, {plan.tokens_per_s_per_gpu:.0f} tokens/s per GPU, "
         f"{plan.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {plan.mfu:.1%}, bubble {plan.bubble:.3f}",
-        f"  memory per GPU: {parts['total']:.1f} GiB of {capacity:.1f} ({fits}) = "
-        f"weights {parts['weights']:.1f} + "
-        f"gradients {parts['gradients']:.1f} + optimizer {parts['optimizer']:.1f} + activations "
-        f"{parts['activations']:.1f} + communication buffers {parts['comm_buffers']:.1f} + reserved "
-        f"{parts['reserved']:.1f}",
-        f"  step = pipeline {plan.pipeline_time:.3f} s + exposed gradient sync "
-        f"{plan.grad_sync_exposed:.3f} s + optimizer {plan.optimizer_time:.3f} s + exposed parameter "
-        f"all-gather {plan.param_gather_exposed:.3f} s; "
-        f"{plan.microbatches} microbatches of {plan.problem.micro_batch} "
-        "per DP rank",
+        f"  memory per GPU: {plan.memory_gib:.1f} GiB of {capacity:.1f} ({fits}) = {memory_parts(plan)}",
+        f"  {step_parts(plan)}",
         *(f"  note: {note}" for note in plan.notes),
     ]
 
