@@ -63,6 +63,9 @@ CASES: list[tuple[str, str]] = [
     ("bench --iterations 0", "--iterations"),
     ("bench --schedules no-such", "--schedules"),
     ("bench --timeout -1", "--timeout"),
+    ("bench --against megatron --iterations 3", "--iterations"),
+    ("bench --pp-seq-slices 0", "--pp-seq-slices"),
+    ("bench --against deepspeed", "--against"),
 ]
 
 

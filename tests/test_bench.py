@@ -67,3 +67,65 @@ def test_minimal_bench_json_and_loss_check() -> None:
         for key in ("loss", "grad_norm"):
             ours, theirs = check["ours"][key], check["torch"][key]
             check_error(abs(ours - theirs) / abs(theirs), limit, f"{row['schedule']} {key}")
+
+
+def test_schedules_shim_changes_only_megatron_schedules_module() -> None:
+    """cpu_shim.install_for_schedules: Megatron's schedules count tokens on the CPU, torch itself
+    (and every other module) still refuses a CUDA tensor on a CPU-only build."""
+    code = (
+        "import torch\n"
+        "from megatron.core.pipeline_parallel import schedules\n"
+        "from megatron_pp_ext.megatron import cpu_shim\n"
+        "assert cpu_shim.install_for_schedules() == (not torch.cuda.is_available())\n"
+        "if not torch.cuda.is_available():\n"
+        "    t = schedules.torch.zeros([], dtype=torch.int, device='cuda')\n"
+        "    assert t.device.type == 'cpu' and t.dtype == torch.int\n"
+        "    assert schedules.torch.ones is torch.ones and schedules.torch.cuda is torch.cuda\n"
+        "    try:\n"
+        "        torch.zeros([], device='cuda')\n"
+        "    except (RuntimeError, AssertionError):\n"
+        "        print('torch unchanged')\n"
+        "else:\n"
+        "    print('torch unchanged')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torch unchanged" in done.stdout
+
+
+@pytest.mark.slow
+def test_against_megatron_same_step_paired_rounds() -> None:
+    """Megatron's own 1F1B and interleaved 1F1B beside ours, and V-ZB and SlimPipe against the
+    faster of them: the same first-step loss and gradient norm, ten paired rounds each."""
+    done = bench(
+        "--against", "megatron", "--schedules", "v-zb,slimpipe", "--iterations", "10", "--warmup", "0",
+        "--microbatches", "4", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)
+    assert results["against"] == "megatron"
+    # Megatron's two schedules always run first: the others are timed against the faster
+    assert [row["schedule"] for row in results["rows"]] == ["1f1b", "interleaved-1f1b", "v-zb", "slimpipe"]
+    medians = {row["megatron_schedule"]: row["megatron"]["median_s"] for row in results["rows"][:2]}
+    assert set(medians) == {"1F1B", "interleaved 1F1B"}
+    faster = min(medians, key=medians.__getitem__)
+    tiny = SimpleNamespace(num_layers=4, hidden_size=64, ffn_hidden_size=128, seq_length=32, dtype="float32")
+    limit = training_tolerance(tiny, microbatches=4, steps=1)
+    first = results["rows"][0]["check"]["megatron"]
+    for row in results["rows"]:
+        assert row["ours_skip"] is None and row["megatron_skip"] is None, row
+        if row["schedule"] not in ("1f1b", "interleaved-1f1b"):
+            assert row["megatron_schedule"] == faster
+        spread = row["ours_over_megatron"]
+        assert spread["rounds"] == 10 and 0 < spread["min"] <= spread["median"] <= spread["max"]
+        for side in ("ours", "megatron"):
+            assert len(row[side]["times_s"]) == 10
+            peaks = row[side]["peak_activation_bytes"]
+            assert len(peaks) == 2 and min(peaks) > 0
+        check = row["check"]
+        assert check["match"], check
+        for key in ("loss", "grad_norm"):
+            # every schedule computes the step of Megatron's 1F1B
+            error = abs(check["ours"][key] - first[key]) / abs(first[key])
+            check_error(error, limit, f"{row['schedule']} {key}")
+    assert "4 sequence slices" in results["rows"][3]["notes"]

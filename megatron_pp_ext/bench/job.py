@@ -1,4 +1,4 @@
-"""The bench's job: model sizes, our schedules paired with torch's, and the rows to fill.
+"""The bench's job: model sizes, our schedules paired with torch's or Megatron's, and the rows to fill.
 
 Decided in the launching process, before any worker starts, so a bad flag fails in one line and
 every rank gets the same plan.
@@ -12,6 +12,7 @@ from typing import Any
 from ..schedule.generators import SCHEDULES, RequestError, generate
 from ..schedule.ir import Schedule
 from ..schedule.nccl_check import check_nccl
+from .megatron_job import MEGATRON_PAIRS, MegatronPair
 
 # Both sizes fit the 2-core CPU machine; "small" makes compute, not Python overhead, dominate.
 MODEL_SIZES: dict[str, dict[str, Any]] = {
@@ -63,15 +64,28 @@ PAIRS: dict[str, TorchPair] = {
 }
 
 
+# `bench --against megatron` by default: Megatron's two schedules' counterparts, then what a
+# user could switch to.
+MEGATRON_DEFAULT = [
+    *("1f1b", "interleaved-1f1b"),
+    *("zb-h1", "zb-h2", "v-half", "v-zb", "dualpipev", "seq1f1b", "slimpipe"),
+]
+DEFAULT_SLICES = 4  # sequence slices per microbatch for Seq1F1B and SlimPipe (--pp-seq-slices)
+
+
 @dataclass
 class Row:
-    """One schedule of the bench: ours (or why not) and torch's counterpart (or why not)."""
+    """One schedule of the bench: ours (or why not) and the baseline's (or why not): torch's
+    counterpart, or megatron-core's own schedule (``megatron`` None with ``against`` megatron:
+    the faster of Megatron's two, decided once both have run)."""
 
     name: str
     ours: Schedule | None = None
     ours_skip: str | None = None
     torch: TorchPair | None = None
     torch_skip: str | None = None
+    megatron: MegatronPair | None = None
+    megatron_skip: str | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -90,6 +104,8 @@ class BenchSettings:
     timeout: float = 300.0
     quiet: bool = False  # check lines to stderr (for --json)
     emulate_nccl: bool = False  # NCCL's rules on gloo for our runs (runtime/creation.py, launch_order.py)
+    against: str = "torch"  # the baseline: torch.distributed.pipelining or megatron-core's schedules
+    count_calls: bool = False  # one more step per job under cProfile on rank 0
 
     @property
     def model(self) -> dict[str, Any]:
@@ -111,22 +127,48 @@ def is_sliced_family(name: str) -> bool:
     return SCHEDULES[name].build.__module__.rsplit(".", 1)[-1] == "sliced"
 
 
-def plan_row(name: str, pp: int, microbatches: int, num_layers: int) -> Row:
-    """Decide what runs for ``name``: our schedule if it is registered, whole-sequence and fits
-    the model; torch's counterpart if there is one (its own constraints are checked on the ranks)."""
+def ordered_names(names: list[str], against: str) -> list[str]:
+    """Against Megatron its two schedules' counterparts run first, always: the other rows are
+    timed against the faster of them."""
+    if against != "megatron":
+        return names
+    return list(MEGATRON_PAIRS) + [name for name in names if name not in MEGATRON_PAIRS]
+
+
+def plan_row(
+    name: str,
+    pp: int,
+    microbatches: int,
+    num_layers: int,
+    against: str = "torch",
+    slices: int = DEFAULT_SLICES,
+) -> Row:
+    """Decide what runs for ``name``: our schedule if it is registered and fits the model (the
+    sequence-sliced family with ``slices`` slices); the baseline's counterpart if there is one
+    (torch's own constraints are checked on the ranks)."""
     from ..megatron.model import split_layers
 
-    row = Row(name=name, torch=PAIRS.get(name))
-    if row.torch is None:
-        row.torch_skip = "torch.distributed.pipelining has no counterpart"
+    row = Row(name=name)
+    if against == "megatron":
+        row.megatron = MEGATRON_PAIRS.get(name)
+        row.torch_skip = "not run (--against megatron)"
+        if row.megatron is not None:
+            try:
+                split_layers(num_layers, pp * row.megatron.chunks)
+            except ValueError as error:
+                row.megatron, row.megatron_skip = None, f"{error} (--model-size)"
+    else:
+        row.torch = PAIRS.get(name)
+        if row.torch is None:
+            row.torch_skip = "torch.distributed.pipelining has no counterpart"
     if name not in SCHEDULES:
         row.ours_skip = "not in this build's schedule registry"
         return row
-    if is_sliced_family(name):
-        row.ours_skip = "sequence-sliced family; the bench compares whole-sequence schedules"
-        return row
+    sliced = is_sliced_family(name)
+    if sliced:
+        slices = max(slices, SCHEDULES[name].min_slices(pp, SCHEDULES[name].default_vpp))
     try:
-        schedule = generate(name, pp, microbatches)
+        schedule = generate(name, pp, microbatches, slices=slices if sliced else 1)
     except RequestError as error:
         row.ours_skip = f"{error.flag}: {error}"
         return row
@@ -140,6 +182,8 @@ def plan_row(name: str, pp: int, microbatches: int, num_layers: int) -> Row:
         row.ours_skip = f"would hang under NCCL: {hang.message()}"
         return row
     row.ours = schedule
+    if sliced:
+        row.notes.append(f"{schedule.slices} sequence slices")
     pair = row.torch
     if pair is not None and (
         pair.stages_per_rank != schedule.vpp or pair.placement != schedule.placement.style

@@ -31,7 +31,9 @@ class OurJob:
         rank: int,
         micro_batch_size: int,
     ) -> None:
-        self.chunks, _ = build_chunks_from(reference, model, schedule.placement, rank)
+        self.chunks, _ = build_chunks_from(
+            reference, model, schedule.placement, rank, sliced=schedule.slices > 1
+        )
         device = next(self.chunks[0].parameters()).device
         self.batches = [{key: value.to(device) for key, value in batch.items()} for batch in batches]
         self.schedule = schedule
@@ -50,9 +52,11 @@ class OurJob:
             if param.grad is not None
         )
 
-    def step(self, measure: bool = True) -> tuple[float | None, int]:
+    def step(self, measure: bool = True) -> tuple[float | None, int | None]:
         """One step; returns (mean microbatch loss on the loss rank else None, activation peak).
-        The runtime always counts activations, so ``measure`` changes nothing here."""
+        Without ``measure`` the runtime runs without its activation meter (the peak is None), as
+        the pretrain_gpt.py hook runs it: timed steps do not pay for the meter's hooks."""
+        self.runtime.measure_memory = measure
         iterators = [iter(self.batches) for _ in self.chunks]
         result = self.runtime.step(self.schedule, forward_step, iterators)
         loss = None

@@ -1,8 +1,10 @@
-"""The bench's table: one line per schedule, ours beside torch's counterpart."""
+"""The bench's table: one line per schedule, ours beside the baseline's (torch's or Megatron's)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+BASELINES = {"torch": "torch.distributed.pipelining", "megatron": "megatron-core's own schedules"}
 
 
 def fmt_bytes(value: int) -> str:
@@ -11,47 +13,66 @@ def fmt_bytes(value: int) -> str:
     return f"{value / 2**10:.0f}K"
 
 
-def fmt_peaks(peaks: list[int]) -> str:
-    return "/".join(fmt_bytes(p) for p in peaks)
+def fmt_peaks(peaks: list[int | None]) -> str:
+    return "/".join(fmt_bytes(p) if p is not None else "-" for p in peaks)
 
 
 def fmt_ratio(item: dict[str, Any]) -> str:
-    """Median of the per-iteration ratios, with their interquartile range."""
+    """Median of the per-round ratios, with their interquartile range."""
     if item.get("ratio") is None:
         return "-"
     iqr = item.get("ratio_iqr")
     return f"{item['ratio']:.2f}" + (f" [{iqr[0]:.2f}-{iqr[1]:.2f}]" if iqr else "")
 
 
+def fmt_spread(spread: dict[str, float] | None) -> str:
+    """min / median / max of the per-round ratios."""
+    if not spread:
+        return "-"
+    return f"{spread['min']:.2f} / {spread['median']:.2f} / {spread['max']:.2f}"
+
+
 def table_rows(results: dict[str, Any]) -> list[dict[str, str]]:
+    against = results.get("against", "torch")
     rows = []
     for item in results["rows"]:
-        ours, theirs = item.get("ours"), item.get("torch")
+        ours, theirs = item.get("ours"), item.get(against)
         notes = list(item.get("notes", []))
         if ours is None and item.get("ours_skip"):
             notes.append(f"ours skipped: {item['ours_skip']}")
-        if theirs is None and item.get("torch_class") and item.get("torch_skip"):
-            notes.append(f"torch skipped: {item['torch_skip']}")
-        elif item.get("torch_class") is None:
-            notes.append("no torch counterpart")
+        if against == "megatron":
+            label = item.get("megatron_schedule")
+            if theirs is None and item.get("megatron_skip"):
+                notes.append(f"Megatron skipped: {item['megatron_skip']}")
+        else:
+            label = item.get("torch_class")
+            if theirs is None and label and item.get("torch_skip"):
+                notes.append(f"torch skipped: {item['torch_skip']}")
+            elif label is None:
+                notes.append("no torch counterpart")
         check = item.get("check")
         if check is not None:
             notes.insert(0, f"loss/grad check {'ok' if check['match'] else 'MISMATCH'}")
-        rows.append(
-            {
-                "schedule": item["schedule"],
-                "ours s": f"{ours['median_s']:.4f}" if ours else "-",
-                "torch schedule": item.get("torch_class") or "-",
-                "torch s": f"{theirs['median_s']:.4f}" if theirs else "-",
-                "ours/torch [IQR]": fmt_ratio(item),
-                "ours peak act (r0/r1..)": fmt_peaks(ours["peak_activation_bytes"]) if ours else "-",
-                "torch peak act (r0/r1..)": fmt_peaks(theirs["peak_activation_bytes"]) if theirs else "-",
-            }
-        )
+        row = {
+            "schedule": item["schedule"],
+            "ours s": f"{ours['median_s']:.4f}" if ours else "-",
+            f"{against} schedule": label or "-",
+            f"{against} s": f"{theirs['median_s']:.4f}" if theirs else "-",
+        }
+        if against == "megatron":
+            row["ours/megatron min/median/max"] = fmt_spread(item.get("ours_over_megatron"))
+        else:
+            row["ours/torch [IQR]"] = fmt_ratio(item)
+        row["ours peak act (r0/r1..)"] = fmt_peaks(ours["peak_activation_bytes"]) if ours else "-"
+        row[f"{against} peak act (r0/r1..)"] = fmt_peaks(theirs["peak_activation_bytes"]) if theirs else "-"
+        if results.get("count_calls"):
+            calls = [side.get("calls_per_step") if side else None for side in (ours, theirs)]
+            row["Python calls/step r0 (ours / base)"] = " / ".join(f"{c:,}" if c else "-" for c in calls)
         if results["device"] == "cuda":  # the allocator's peak: weights, gradients and all
-            rows[-1]["ours alloc peak"] = fmt_peaks(ours["peak_allocated_bytes"]) if ours else "-"
-            rows[-1]["torch alloc peak"] = fmt_peaks(theirs["peak_allocated_bytes"]) if theirs else "-"
-        rows[-1]["notes"] = "; ".join(notes)
+            row["ours alloc peak"] = fmt_peaks(ours["peak_allocated_bytes"]) if ours else "-"
+            row[f"{against} alloc peak"] = fmt_peaks(theirs["peak_allocated_bytes"]) if theirs else "-"
+        row["notes"] = "; ".join(notes)
+        rows.append(row)
     return rows
 
 
@@ -73,6 +94,8 @@ def header(results: dict[str, Any]) -> str:
         f"bench: pp={results['pp']} m={results['microbatches']} model={results['model_size']} "
         f"({model['num_layers']} layers, hidden {model['hidden_size']}, seq {model['seq_length']}, "
         f"micro-batch {results['micro_batch_size']}), {results['device']}/{results['backend']}, "
-        f"{results['threads_per_rank']} thread(s) per rank, torch {results['torch']}; "
-        f"median of {results['iterations']} iterations after {results['warmup']} warm-up"
+        f"{results['threads_per_rank']} thread(s) per rank"
+        f"{', pinned to a core each' if results.get('pinned') else ''}, torch {results['torch']}; "
+        f"median of {results['iterations']} paired rounds after {results['warmup']} warm-up, "
+        f"against {BASELINES[results.get('against', 'torch')]}"
     )

@@ -1,10 +1,16 @@
 """The bench on one rank: every row's jobs, iterations interleaved, results gathered on rank 0.
 
-Within a row, our schedule and torch's take turns iteration by iteration (the order flips every
-iteration), so load from other processes on a shared machine hits both alike. An iteration's
-time is the slowest rank's, from a barrier to the end of its step; zeroing gradients and the
-bookkeeping collectives are outside it. Every step's outcome is gathered on all ranks, so a rank
-that fails (or times out waiting for a failed peer) drops the job on every rank together.
+Within a row, our schedule and the baseline's (torch's or Megatron's) take turns iteration by
+iteration, in paired rounds A B, B A, A B, ... (the order flips every round), so load from other
+processes on a shared machine hits both alike; each round gives one ratio ours/baseline. An
+iteration's time is the slowest rank's, from a barrier to the end of its step; zeroing gradients
+and the bookkeeping collectives are outside it. Each rank is pinned to a core of its own where
+the machine has one per rank. Every step's outcome is gathered on all ranks, so a rank that fails
+(or times out waiting for a failed peer) drops the job on every rank together.
+
+Against Megatron, the rows after its two schedules' counterparts are timed against the faster of
+Megatron's two (by median step time in this run), and every row's first-step loss and gradient
+norm are checked against Megatron's: every schedule computes the same step.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -23,6 +30,7 @@ import torch.distributed as dist
 
 from ..megatron.model import ModelConfig
 from .job import BenchSettings, Row
+from .megatron_job import MEGATRON_PAIRS, MegatronPair
 
 CHECK_RTOL = {"loss": 1e-5, "grad_norm": 1e-4}
 
@@ -51,6 +59,7 @@ class Context:
     batches: list[dict[str, torch.Tensor]]
     comm: Any = None  # our runtime's channels
     group: Any = None  # torch's schedules' process group
+    megatron_medians: dict[str, float] | None = None  # Megatron's schedules' median step times
 
     def open_channels(self) -> None:
         """Fresh p2p channels for both runtimes (collective): a gloo pair that timed out stays
@@ -77,6 +86,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings)
     device = launch.init_distributed(rank, world_size, local_rank, 2 * settings.timeout + 60)
     if device.type == "cpu":
         torch.set_num_threads(1)
+    pinned = pin_to_core(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     init_parallel_state(world_size)
     model = ModelConfig(**settings.model)
     seed_like_megatron(settings.seed)  # as train: Megatron-LM's stage seeds, the CUDA RNG tracker
@@ -101,12 +111,24 @@ def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings)
         if rank == 0 and result.get("check"):
             progress.write(check_line(result), file=sys.stderr if settings.quiet else sys.stdout)
     progress.close()
+    pinned = all(gather(pinned))
     if rank == 0:
         with open(settings.output, "w") as handle:
-            json.dump(summary(settings, device, rows), handle)
+            json.dump(summary(settings, device, rows, pinned), handle)
     context.comm.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def pin_to_core(local_rank: int, local_ranks: int) -> bool:
+    """Pin this process to a core of its own when every local rank can have one (Linux)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < local_ranks:
+        return False
+    os.sched_setaffinity(0, {cores[local_rank]})
+    return True
 
 
 def make_batches(model: ModelConfig, settings: BenchSettings) -> list[dict[str, torch.Tensor]]:
@@ -118,8 +140,19 @@ def make_batches(model: ModelConfig, settings: BenchSettings) -> list[dict[str, 
     return [next(stream) for _ in range(settings.microbatches)]
 
 
+def megatron_pair(row: Row, context: Context) -> tuple[MegatronPair | None, str | None]:
+    """Megatron's schedule for ``row``: its counterpart, else the faster of the two that ran."""
+    if row.megatron is not None or row.name in MEGATRON_PAIRS:
+        return row.megatron, row.megatron_skip
+    if not context.megatron_medians:
+        return None, "none of Megatron's own schedules ran"
+    best = min(context.megatron_medians, key=context.megatron_medians.__getitem__)
+    return MEGATRON_PAIRS[best], None
+
+
 def build_jobs(row: Row, context: Context) -> tuple[dict[str, Any], dict[str, str]]:
-    """Our job and torch's for ``row``; a job that fails to build on any rank is dropped on all."""
+    """Our job and the baseline's for ``row``; a job that fails to build on any rank is dropped on all."""
+    from .megatron_job import MegatronJob
     from .our_job import OurJob
     from .torch_job import TorchJob
 
@@ -147,6 +180,19 @@ def build_jobs(row: Row, context: Context) -> tuple[dict[str, Any], dict[str, st
             context.device,
             context.group,
         )
+    pair = row.megatron
+    if s.against == "megatron":
+        pair, _ = megatron_pair(row, context)
+    if pair is not None:
+        builders["megatron"] = lambda: MegatronJob(
+            pair,
+            context.model,
+            context.reference,
+            context.batches,
+            s.pp,
+            context.rank,
+            s.micro_batch_size,
+        )
     jobs, skipped = {}, {}
     for name, build in builders.items():
         job, error = None, None
@@ -169,10 +215,19 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
     result: dict[str, Any] = {
         "schedule": row.name,
         "ours_skip": skipped.get("ours", row.ours_skip),
-        "torch_class": row.torch.cls if row.torch else None,
-        "torch_skip": skipped.get("torch", row.torch_skip),
         "notes": list(row.notes),
     }
+    baseline = s.against
+    if baseline == "megatron":
+        pair, skip = megatron_pair(row, context)
+        result["megatron_schedule"] = pair.label if pair else None
+        result["megatron_function"] = pair.function if pair else None
+        result["megatron_skip"] = skipped.get("megatron", skip)
+        if pair is not None and row.name not in MEGATRON_PAIRS:
+            result["notes"].insert(0, f"against Megatron's faster schedule here, {pair.label}")
+    else:
+        result["torch_class"] = row.torch.cls if row.torch else None
+        result["torch_skip"] = skipped.get("torch", row.torch_skip)
     times: dict[str, list[float]] = {name: [] for name in jobs}
     first: dict[str, dict[str, float | None]] = {}
     last: dict[str, list[Outcome]] = {}
@@ -202,6 +257,7 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
             last[name] = outcomes
     for name in jobs:
         result[name] = {
+            "calls_per_step": count_calls(jobs[name], context) if s.count_calls else None,
             "median_s": statistics.median(times[name]),
             "times_s": times[name],
             "peak_activation_bytes": [o.peak for o in last[name]],
@@ -211,12 +267,21 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
         }
     if "torch" in jobs:
         result["torch"]["recv_buffer_bytes"] = gather(jobs["torch"].live.buffer_bytes)
-    if "ours" in jobs and "torch" in jobs:
-        ratios = [a / b for a, b in zip(times["ours"], times["torch"])]
+    if baseline == "megatron" and row.name in MEGATRON_PAIRS and "megatron" in jobs:
+        context.megatron_medians = context.megatron_medians or {}
+        context.megatron_medians[row.name] = result["megatron"]["median_s"]
+    if "ours" in jobs and baseline in jobs:
+        ratios = [a / b for a, b in zip(times["ours"], times[baseline])]  # one per paired round
         result["ratio"] = statistics.median(ratios)
         quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else None
         result["ratio_iqr"] = [quartiles[0], quartiles[2]] if quartiles else None
-        result["check"] = compare(first["ours"], first["torch"])
+        result[f"ours_over_{baseline}"] = {
+            "min": min(ratios),
+            "median": statistics.median(ratios),
+            "max": max(ratios),
+            "rounds": len(ratios),
+        }
+        result["check"] = compare(first["ours"], first[baseline], baseline)
     return result
 
 
@@ -240,6 +305,22 @@ def timed_step(job: Any, device: torch.device, first: bool, measure: bool) -> Ou
         return Outcome(error=f"{type(error).__name__}: {error}"[:500])
 
 
+def count_calls(job: Any, context: Context) -> int | None:
+    """Python function calls in one more step of ``job`` on rank 0 (cProfile; the other ranks
+    run the step unprofiled): the per-step Python work, which does not depend on the machine."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile() if context.rank == 0 else None
+    if profile is not None:
+        profile.enable()
+    outcome = timed_step(job, context.device, first=False, measure=False)
+    if profile is not None:
+        profile.disable()
+    failed = any(o.error for o in gather(outcome))
+    return None if failed or profile is None else pstats.Stats(profile).total_calls
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -251,9 +332,11 @@ def gather(value: Any) -> list[Any]:
     return values
 
 
-def compare(ours: dict[str, float | None], theirs: dict[str, float | None]) -> dict[str, Any]:
-    """First-iteration loss and gradient norm, ours against torch's: same model, same data."""
-    check: dict[str, Any] = {"ours": ours, "torch": theirs, "match": True}
+def compare(
+    ours: dict[str, float | None], theirs: dict[str, float | None], baseline: str = "torch"
+) -> dict[str, Any]:
+    """First-iteration loss and gradient norm, ours against the baseline's: same model, same data."""
+    check: dict[str, Any] = {"ours": ours, baseline: theirs, "baseline": baseline, "match": True}
     for key, rtol in CHECK_RTOL.items():
         a, b = ours[key], theirs[key]
         diff = abs(a - b) / max(abs(b), 1e-30) if a is not None and b is not None else math.inf
@@ -264,16 +347,22 @@ def compare(ours: dict[str, float | None], theirs: dict[str, float | None]) -> d
 
 def check_line(result: dict[str, Any]) -> str:
     c = result["check"]
+    baseline = c["baseline"]
+    against = f"Megatron's {result['megatron_schedule']}" if baseline == "megatron" else result["torch_class"]
     return (
-        f"check {result['schedule']} vs {result['torch_class']}: first-iteration loss "
-        f"{c['ours']['loss']:.6f} / {c['torch']['loss']:.6f} (rel diff {c['loss_rel_diff']:.1e}), "
-        f"grad norm {c['ours']['grad_norm']:.6f} / {c['torch']['grad_norm']:.6f} "
+        f"check {result['schedule']} vs {against}: first-iteration loss "
+        f"{c['ours']['loss']:.6f} / {c[baseline]['loss']:.6f} (rel diff {c['loss_rel_diff']:.1e}), "
+        f"grad norm {c['ours']['grad_norm']:.6f} / {c[baseline]['grad_norm']:.6f} "
         f"(rel diff {c['grad_norm_rel_diff']:.1e}): {'match' if c['match'] else 'MISMATCH'}"
     )
 
 
-def summary(settings: BenchSettings, device: torch.device, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(
+    settings: BenchSettings, device: torch.device, rows: list[dict[str, Any]], pinned: bool
+) -> dict[str, Any]:
     return {
+        "against": settings.against,
+        "count_calls": settings.count_calls,
         "pp": settings.pp,
         "microbatches": settings.microbatches,
         "iterations": settings.iterations,
@@ -285,6 +374,7 @@ def summary(settings: BenchSettings, device: torch.device, rows: list[dict[str, 
         "backend": dist.get_backend(),
         "emulate_nccl": settings.emulate_nccl,
         "threads_per_rank": torch.get_num_threads(),
+        "pinned": pinned,
         "torch": torch.__version__,
         "rows": rows,
     }

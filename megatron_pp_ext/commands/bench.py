@@ -1,10 +1,13 @@
-"""``megatron-pp-ext bench``: time our schedules against torch.distributed.pipelining's.
+"""``megatron-pp-ext bench``: time our schedules against torch.distributed.pipelining's or
+megatron-core's own.
 
 p processes (gloo on CPU with one thread each, NCCL on GPUs), one tiny megatron-core GPT with the
 same weights and data for every run; per schedule the median step time (forward and backward
-over m microbatches), the ratio ours/torch where torch has the same schedule, and the peak
-activation bytes per rank. A benchmark, not a test: it prints numbers, it asserts nothing but
-that ours and torch's agree on the first iteration's loss (printed as a check line).
+over m microbatches), the ratio ours/baseline per paired round where the baseline has the same
+schedule (``--against megatron``: Megatron's 1F1B and interleaved 1F1B, and every other schedule
+of ours against the faster of those two), and the peak activation bytes per rank. A benchmark,
+not a test: it prints numbers; it asserts nothing but that ours and the baseline agree on the
+first iteration's loss and gradient norm (printed as a check line).
 """
 
 from __future__ import annotations
@@ -14,21 +17,51 @@ import json
 import os
 import tempfile
 
-from ..bench.job import MODEL_SIZES, BenchSettings, known_names, plan_row
+from ..bench.job import (
+    DEFAULT_SLICES,
+    MEGATRON_DEFAULT,
+    MODEL_SIZES,
+    BenchSettings,
+    known_names,
+    ordered_names,
+    plan_row,
+)
 from .errors import UsageError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="time our pipeline schedules against torch.distributed.pipelining's",
-        description="Time one training step of each schedule (ours and torch's counterpart) on p processes.",
+        help="time our pipeline schedules against torch.distributed.pipelining's or Megatron's own",
+        description="Time one training step of each schedule (ours and the baseline's) on p processes.",
+    )
+    parser.add_argument(
+        "--against",
+        choices=("torch", "megatron"),
+        default="torch",
+        help="the baseline: torch.distributed.pipelining's schedules (default) or megatron-core's own "
+        "1F1B and interleaved 1F1B (every other schedule against the faster of the two)",
     )
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes), default 2")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step, default 8")
-    parser.add_argument("--iterations", type=int, default=20, help="timed steps per schedule, default 20")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=20,
+        help="timed steps per schedule, taken in turns with the baseline (paired rounds), default 20",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, default 3")
-    parser.add_argument("--schedules", default="all", help="comma list of schedule names, or 'all'")
+    parser.add_argument(
+        "--schedules",
+        help="comma list of schedule names, or 'all' (the default; against Megatron: "
+        f"{','.join(MEGATRON_DEFAULT)})",
+    )
+    parser.add_argument(
+        "--pp-seq-slices",
+        type=int,
+        default=DEFAULT_SLICES,
+        help=f"sequence slices per microbatch for Seq1F1B and SlimPipe, default {DEFAULT_SLICES}",
+    )
     parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny", help="default tiny")
     parser.add_argument("--seed", type=int, default=1234, help="weights and data seed")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck transfer fails")
@@ -40,14 +73,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--verbose", action="store_true", help="also show megatron-core's start-up warnings (quiet.py)"
     )
+    parser.add_argument(
+        "--count-calls",
+        action="store_true",
+        help="also count the Python calls of one more step of each job on rank 0 (cProfile)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--save", help="also write the JSON results to this file")
     parser.set_defaults(run=run)
 
 
-def selected(text: str) -> list[str]:
+MIN_ROUNDS = 10  # paired rounds against Megatron: enough for a min / median / max worth reading
+
+
+def selected(text: str | None, against: str = "torch") -> list[str]:
     names = known_names()
-    if text.strip() == "all":
+    if text is None and against == "megatron":
+        return list(MEGATRON_DEFAULT)
+    if text is None or text.strip() == "all":
         return names
     chosen = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [name for name in chosen if name not in names]
@@ -69,6 +112,14 @@ def check(args: argparse.Namespace) -> None:
             raise UsageError(flag, f"must be at least {least}, got {value}")
     if args.timeout <= 0:
         raise UsageError("--timeout", f"must be positive, got {args.timeout}")
+    if args.pp_seq_slices < 1:
+        raise UsageError("--pp-seq-slices", f"must be at least 1, got {args.pp_seq_slices}")
+    if args.against == "megatron" and args.iterations < MIN_ROUNDS:
+        raise UsageError(
+            "--iterations",
+            f"--iterations: {args.iterations} is too few paired rounds for --against megatron: "
+            f"use {MIN_ROUNDS} or more",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,9 +128,12 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.worker import worker
 
     check(args)
-    names = selected(args.schedules)
+    names = ordered_names(selected(args.schedules, args.against), args.against)
     num_layers = MODEL_SIZES[args.model_size]["model"]["num_layers"]
-    rows = [plan_row(name, args.pp, args.microbatches, num_layers) for name in names]
+    rows = [
+        plan_row(name, args.pp, args.microbatches, num_layers, args.against, args.pp_seq_slices)
+        for name in names
+    ]
     world = launch.launcher_world()
     if world is not None and world[1] != args.pp:
         raise UsageError("--pp", f"the launcher started {world[1]} processes for --pp {args.pp}")
@@ -98,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             quiet=args.json,
             emulate_nccl=args.pp_emulate_nccl,
+            against=args.against,
+            count_calls=args.count_calls,
         )
         launch.run(worker, args.pp, settings)
         with open(output) as handle_in:

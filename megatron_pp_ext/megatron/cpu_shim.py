@@ -15,13 +15,23 @@ megatron-core 0.16 runs on CPU with gloo except for two things this project need
 idempotent and process-wide (the tests' and ``train``'s worker processes call it once on CPU).
 Nothing else of Megatron is replaced: its DDP, mappings and ``finalize_model_grads`` run as they
 are.
+
+A third place matters only to ``bench --against megatron``, which runs megatron-core's own
+pipeline schedules (ours replace them everywhere else): ``schedules.py`` creates its token
+counter with ``torch.zeros([], dtype=torch.int, device="cuda")`` in both pipelined schedules.
+:func:`install_for_schedules` gives that one module a view of ``torch`` whose ``zeros`` puts
+tensors asked for on ``"cuda"`` on the CPU; every other name is torch's own object, so the
+schedules run at the same speed and nothing outside ``schedules.py`` sees a change.
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 _installed = False
+_schedules_installed = False
 
 
 def cpu_device() -> torch.device:
@@ -40,3 +50,27 @@ def install() -> bool:
         megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         _installed = True
     return True
+
+
+def install_for_schedules() -> bool:
+    """:func:`install`, plus megatron-core's ``pipeline_parallel.schedules`` counting tokens on
+    the CPU (see the module docstring); nothing with CUDA. Returns whether it is in effect."""
+    global _schedules_installed
+    if not install():
+        return False
+    if not _schedules_installed:
+        from megatron.core.pipeline_parallel import schedules
+
+        view = types.ModuleType("torch")
+        view.__dict__.update(torch.__dict__)
+        view.__getattr__ = lambda name: getattr(torch, name)  # type: ignore[attr-defined]  # lazy ones
+        view.zeros = _zeros_on_cpu  # type: ignore[attr-defined]
+        schedules.torch = view  # type: ignore[attr-defined]
+        _schedules_installed = True
+    return True
+
+
+def _zeros_on_cpu(*args: object, **kwargs: object) -> torch.Tensor:
+    if str(kwargs.get("device", "")).startswith("cuda"):
+        kwargs["device"] = cpu_device()
+    return torch.zeros(*args, **kwargs)  # type: ignore[call-overload]

@@ -1,0 +1,118 @@
+"""Megatron-core's own pipeline schedules on the same chunks, data and microbatches as ours.
+
+``forward_backward_pipelining_without_interleaving`` (1F1B) and ``..._with_interleaving``
+(interleaved 1F1B) run as Megatron-LM's training loop runs them, on chunks built exactly as our
+runtime's (the same ``GPTModel`` stages, weights copied from one reference) with the main job's
+``forward_step`` and ``loss_func``. Settings that differ from a plain Megatron-LM run, and why:
+
+* ``batch_p2p_comm=False``: with batched sends Megatron's interleaved schedule gives a wrong loss
+  on gloo at PP 2, where the previous and the next rank are the same peer;
+* ``deallocate_pipeline_outputs=True``: as our runtime (and Megatron-LM's default with PP);
+* interleaving: the chunks are GPTModels built for one pipeline rank each, so the virtual size
+  and ``microbatch_group_size_per_vp_stage`` (Megatron-LM's default, the pipeline size) are set
+  on the config the schedule reads.
+
+On CPU ``megatron.cpu_shim.install_for_schedules`` keeps the schedules' token counter off CUDA.
+Activation bytes are what autograd saves during the step (``saved_tensors_hooks``, by storage,
+parameters excluded): the received input is saved by the chunk's first layer and outputs are
+freed once sent, so nothing else stays alive. Our runtime also counts the tensors it stashes
+(outputs waiting for their send, gradients in flight), so on the same schedule ours reads a little
+higher for the same memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..megatron.model import ModelConfig, build_chunks_from
+from ..megatron.steps import forward_step
+from ..runtime import ActivationMeter
+from ..schedule.ir import Placement
+from .our_job import microbatch_loss
+
+
+@dataclass(frozen=True)
+class MegatronPair:
+    """One of megatron-core's pipeline schedules: its function in
+    ``megatron.core.pipeline_parallel.schedules`` and the model chunks per rank it runs."""
+
+    function: str
+    chunks: int
+    label: str
+
+
+# Our schedule -> megatron-core's own; the others are timed against the faster of these two.
+MEGATRON_PAIRS: dict[str, MegatronPair] = {
+    "1f1b": MegatronPair("forward_backward_pipelining_without_interleaving", 1, "1F1B"),
+    "interleaved-1f1b": MegatronPair("forward_backward_pipelining_with_interleaving", 2, "interleaved 1F1B"),
+}
+
+
+class MegatronJob:
+    """One rank of one of megatron-core's schedules, with the weights of ``reference``."""
+
+    def __init__(
+        self,
+        pair: MegatronPair,
+        model: ModelConfig,
+        reference: torch.nn.Module,
+        batches: list[dict[str, Tensor]],
+        pp: int,
+        rank: int,
+        micro_batch_size: int,
+    ) -> None:
+        from megatron.core.pipeline_parallel import schedules
+
+        from ..megatron import cpu_shim
+
+        cpu_shim.install_for_schedules()  # nothing with CUDA
+        # Megatron's chunk c on rank r is stage c*p + r
+        placement = Placement(pp, pp * pair.chunks, "interleaved")
+        self.chunks, _ = build_chunks_from(reference, model, placement, rank)
+        device = next(self.chunks[0].parameters()).device
+        self.batches = [{key: value.to(device) for key, value in batch.items()} for batch in batches]
+        config = self.chunks[0].config  # the one Megatron's schedules read (get_model_config)
+        config.pipeline_dtype = model.torch_dtype
+        config.variable_seq_lengths = False
+        config.batch_p2p_comm = False
+        config.deallocate_pipeline_outputs = True
+        if pair.chunks > 1:
+            config.virtual_pipeline_model_parallel_size = pair.chunks
+            config.microbatch_group_size_per_vp_stage = pp
+        self.function = getattr(schedules, pair.function)
+        self.interleaved = pair.chunks > 1
+        self.seq_length = model.seq_length
+        self.micro_batch_size = micro_batch_size
+        self.params = [param for chunk in self.chunks for param in chunk.parameters()]
+        self.meter: ActivationMeter | None = None
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad(set_to_none=True)
+
+    def grad_square_sum(self) -> float:
+        grads = [param.grad for param in self.params if param.grad is not None]
+        return sum(float(grad.detach().double().pow(2).sum()) for grad in grads)
+
+    def step(self, measure: bool = True) -> tuple[float | None, int | None]:
+        """One training step; returns (mean microbatch loss on the last rank else None, the
+        activation peak when ``measure``: timed steps run Megatron's schedule bare)."""
+        iterators = [iter(self.batches) for _ in self.chunks]
+        meter = ActivationMeter(enabled=measure)
+        meter.exclude(self.params)
+        with meter.saving():
+            reports = self.function(
+                forward_step_func=forward_step,
+                data_iterator=iterators if self.interleaved else iterators[0],
+                model=self.chunks if self.interleaved else self.chunks[0],
+                num_microbatches=len(self.batches),
+                seq_length=self.seq_length,
+                micro_batch_size=self.micro_batch_size,
+            )
+        loss = None
+        if reports:
+            loss = sum(microbatch_loss(item["lm loss"]) for item in reports) / len(reports)
+        return loss, meter.peak
