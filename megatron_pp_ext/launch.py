@@ -50,19 +50,31 @@ def check_gpus(ranks_here: int, gpus: int, how: str = "") -> None:
         raise LaunchError(
             f"{ranks_here} ranks on this node{how} but it has {gpus} GPU{'s' * (gpus > 1)}: NCCL needs "
             f"one GPU per rank; start at most {gpus} here (torchrun --nproc-per-node {gpus}, srun "
-            f"--ntasks-per-node {gpus}) and the rest on other nodes, or shrink the layout"
+            f"--ntasks-per-node {gpus}) and the rest on other nodes, or shrink the layout (or share "
+            "the GPUs, slowly, with --distributed-backend gloo)"
         )
 
 
-def init_distributed(rank: int, world_size: int, local_rank: int, timeout_s: float) -> torch.device:
-    """Initialise torch.distributed: NCCL on a GPU per process when there are GPUs, else gloo."""
+def init_distributed(
+    rank: int, world_size: int, local_rank: int, timeout_s: float, backend: str | None = None
+) -> torch.device:
+    """Initialise torch.distributed: NCCL on a GPU per process when there are GPUs, else gloo.
+
+    ``backend`` "gloo" with GPUs (Megatron's ``--distributed-backend gloo``): the ranks share the
+    GPUs (local rank modulo their count), compute on CUDA and talk gloo, which moves host memory
+    only: pipeline messages are staged through it (``PipeComm``), bookkeeping collectives use CPU
+    tensors (:func:`collective_device`). One GPU then runs a whole pipeline, slowly but on real
+    kernels and streams."""
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
-        check_gpus(max(local_ranks, local_rank + 1), count, f" (rank {rank}, local rank {local_rank})")
-        device = torch.device("cuda", local_rank)
+        if backend == "gloo":
+            device = torch.device("cuda", local_rank % count)
+        else:
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+            check_gpus(max(local_ranks, local_rank + 1), count, f" (rank {rank}, local rank {local_rank})")
+            device = torch.device("cuda", local_rank)
+            backend = "nccl"
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
         # Processes share the cores: one thread each unless there are cores to spare.
@@ -80,6 +92,12 @@ def init_distributed(rank: int, world_size: int, local_rank: int, timeout_s: flo
     return device
 
 
+def collective_device(device: torch.device) -> torch.device:
+    """Where a small bookkeeping tensor goes for a collective: the GPU under NCCL, host memory
+    under gloo (gloo's all-gather, gather and send take CPU tensors only)."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _entry(local_rank: int, world_size: int, port: int, worker: Callable[..., Any], args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
@@ -94,7 +112,9 @@ class WorkerDied(Exception):
         self.rank, self.how = rank, how
 
 
-def run(worker: Callable[..., Any], world_size: int, *args: Any, grace_s: float = 30.0) -> None:
+def run(
+    worker: Callable[..., Any], world_size: int, *args: Any, grace_s: float = 30.0, backend: str | None = None
+) -> None:
     """Call ``worker(rank, world_size, local_rank, *args)`` in each process of the job.
 
     When it starts the processes itself and one ends badly, the others get ``grace_s`` to notice
@@ -111,7 +131,7 @@ def run(worker: Callable[..., Any], world_size: int, *args: Any, grace_s: float 
             )
         worker(rank, world, local_rank, *args)
         return
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and backend != "gloo":  # gloo: the ranks share the GPUs
         check_gpus(world_size, torch.cuda.device_count())
     # a rank killed mid-run leaves its semaphores to multiprocessing's resource tracker, which
     # warns about them at exit: expected then, and the job's own lines say what happened

@@ -28,6 +28,7 @@ class StopRequest:
         self.received_at = 0.0
         self.previous: dict[int, Any] = {}
         self._pending: tuple[Any, Any, str | None] | None = None  # (work, flag, name) in flight
+        self._group: Any = None  # the agreement's own copy of the world group
 
     def install(self) -> StopRequest:
         """Handle SIGTERM and SIGINT here (the main thread: Python runs handlers there)."""
@@ -49,18 +50,29 @@ class StopRequest:
         if self.signal_name is None:
             self.signal_name, self.received_at = signal.Signals(signum).name, now
 
-    def agreed(self, device: Any) -> str | None:
+    def agreed(self, device: Any, launch: Any = None) -> str | None:
         """Collective over the world group, called by every rank at every iteration end: the
         answer to the previous call's question (the same on every rank): the signal's name when
         any rank had received one by then, else None; unless it is yes, this call's question is
-        sent (asynchronously)."""
+        sent (asynchronously). ``launch``: the pipeline's launch queue (``PipeComm.launch``), so
+        the all-reduce takes its place in this rank's communication order, under
+        ``--pp-emulate-nccl`` too. It runs on a group of its own (created at the first call,
+        which every rank makes at the same iteration end): the queue may launch it from a helper
+        thread, so it must not share a group with the main thread's collectives, whose order on
+        a shared group it could cross."""
         import torch
         import torch.distributed as dist
 
         answer = self._answer()
         if answer is None:
+            if self._group is None:
+                self._group = dist.new_group()
             flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32, device=device)
-            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+
+            def start() -> Any:
+                return dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+
+            work = start() if launch is None else launch(start, "the stop agreement (all-reduce, world)")
             self._pending = (work, flag, self.signal_name)
         return answer
 

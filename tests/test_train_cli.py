@@ -199,11 +199,41 @@ def test_more_ranks_than_gpus_is_refused_in_one_line(monkeypatch, capsys) -> Non
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--pipeline-model-parallel-size" in last and "2 ranks on this node" in last, last
     assert "has 1 GPU: NCCL needs one GPU per rank" in last and "--nproc-per-node 1" in last, last
+    assert "--distributed-backend gloo" in last, last  # the way to share one
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(launch.LaunchError, match=r"\(rank 1, local rank 1\) but it has 1 GPU"):
         launch.init_distributed(1, 2, 1, 10.0)
     launch.check_gpus(8, 8)  # one each: fine
     launch.check_gpus(3, 0)  # no GPU: gloo, any number
+
+
+def test_distributed_backend_gloo_shares_a_gpu_for_pipelines_only(monkeypatch, capsys) -> None:
+    """Megatron's ``--distributed-backend``: gloo on a one-GPU machine lets 2 ranks share it (no
+    ranks-versus-GPUs refusal) but refuses, before any rank starts, the layouts whose collectives
+    gloo cannot run on CUDA tensors; nccl on a machine without GPUs is refused."""
+    import torch
+
+    from megatron_pp_ext import launch
+    from megatron_pp_ext.cli import main
+
+    assert main(["train", "--distributed-backend", "nccl", "--train-iters", "1"]) == 2  # this CPU machine
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--distributed-backend" in last and "no" in last and "GPU" in last, last
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for layout, named in (
+        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
+        (["--data-parallel-size", "2"], "--data-parallel-size 2"),
+        (["--pp-vocab-parallel", "vocab-1"], "--pp-vocab-parallel"),
+    ):
+        args = ["train", "--pp", "2", "--distributed-backend", "gloo", "--train-iters", "1", *layout]
+        assert main(args) == 2, layout
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "--distributed-backend" in last and named in last, last
+    launched = []
+    monkeypatch.setattr(launch, "run", lambda *args, **kwargs: launched.append(kwargs))
+    assert main(["train", "--pp", "2", "--distributed-backend", "gloo", "--train-iters", "1"]) == 0
+    assert launched and launched[0]["backend"] == "gloo"  # 2 ranks, 1 GPU: not refused
 
 
 def test_transformer_engine_is_used_where_it_can_run_the_schedule(monkeypatch, capsys) -> None:

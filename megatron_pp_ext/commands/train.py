@@ -85,6 +85,8 @@ class TrainSettings:
     post_validation: bool = False  # Zero Bubble's optimizer post-validation
     post_validation_chain: str = "measured"  # the partial state's order: measured, auto, up, down
     transformer_impl: str | None = None  # Megatron's --transformer-impl; None: use_te() decides
+    # Megatron's --distributed-backend; None: NCCL on GPUs, gloo on CPU; gloo on GPUs shares them
+    distributed_backend: str | None = None
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
 
     def use_te(self, splits_backward: bool) -> bool:
@@ -140,6 +142,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--micro-batch-size", type=int, help="sequences per microbatch")
     parser.add_argument("--seq-length", type=int, help="tokens per sequence")
     parser.add_argument("--num-layers", type=int, help="transformer layers")
+    parser.add_argument(
+        "--distributed-backend",
+        choices=("nccl", "gloo"),
+        help="Megatron's: nccl (a GPU per rank; the default on GPUs) or gloo (the default on CPU; on "
+        "GPUs the ranks share them, messages staged through host memory: a whole pipeline on one GPU)",
+    )
     parser.add_argument(
         "--transformer-impl",
         choices=("local", "transformer_engine"),
@@ -281,6 +289,7 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         post_validation=args.pp_post_validation,
         post_validation_chain=getattr(args, "pp_post_validation_chain", None) or "measured",
         transformer_impl=args.transformer_impl,
+        distributed_backend=args.distributed_backend,
         **training,
     )
 
@@ -361,6 +370,7 @@ def check(settings: TrainSettings) -> None:
     if settings.clip_grad < 0:
         raise UsageError("--clip-grad", f"must be 0 (no clipping) or positive, got {settings.clip_grad}")
     _check_parallel(settings, model)
+    _check_backend(settings)
     _check_checkpoints(settings)
     _check_vocab(settings)
     flags = dict(TRAIN_FLAGS)
@@ -430,6 +440,33 @@ def _check_parallel(settings: TrainSettings, model: Any) -> None:
             "--seq-length",
             f"{model.seq_length} is not divisible by {tp_flag} {settings.tp} (sequence parallelism)",
         )
+
+
+def _check_backend(settings: TrainSettings) -> None:
+    """``--distributed-backend``: NCCL needs GPUs; gloo on GPUs (ranks sharing them) runs
+    pipeline parallelism only: the runtime stages its messages through host memory, but
+    Megatron's tensor-, context- and data-parallel collectives (and the vocabulary passes) would
+    hand gloo CUDA tensors it cannot move."""
+    import torch
+
+    flag, backend = "--distributed-backend", settings.distributed_backend
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError(flag, "nccl needs CUDA GPUs and this machine has none: drop it (CPU runs use gloo)")
+    if backend != "gloo" or not torch.cuda.is_available():
+        return
+    for other, size in (
+        ("--tensor-model-parallel-size", settings.tp),
+        ("--context-parallel-size", settings.cp),
+        ("--data-parallel-size", settings.dp),
+    ):
+        if size > 1:
+            raise UsageError(
+                flag,
+                f"gloo on GPUs (ranks sharing them) runs pipeline parallelism only: drop {other} {size}, "
+                "or use nccl with a GPU per rank",
+            )
+    if settings.pipeline.vocab_parallel != "none":
+        raise UsageError(flag, "gloo on GPUs cannot run --pp-vocab-parallel's collectives: use nccl")
 
 
 def _check_checkpoints(settings: TrainSettings) -> None:
@@ -581,7 +618,9 @@ def run(args: argparse.Namespace) -> int:
     check(settings)
     world_size = settings.tp * settings.cp * settings.pp * settings.dp
     try:  # launch refuses more ranks than GPUs before it starts any (check_gpus)
-        launch.run(worker, world_size, settings, grace_s=settings.timeout + 10)
+        launch.run(
+            worker, world_size, settings, grace_s=settings.timeout + 10, backend=settings.distributed_backend
+        )
     except launch.LaunchError as error:
         layout = f"TP x CP x PP x DP = {settings.tp} x {settings.cp} x {settings.pp} x {settings.dp}"
         raise UsageError("--pipeline-model-parallel-size", f"{error} ({layout})") from None
@@ -598,7 +637,9 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
 
     from .. import launch
 
-    device = launch.init_distributed(rank, world_size, local_rank, settings.timeout)
+    device = launch.init_distributed(
+        rank, world_size, local_rank, settings.timeout, settings.distributed_backend
+    )
     request = StopRequest().install()
     try:
         train_loop(rank, settings, device, stop=request)
@@ -991,7 +1032,10 @@ class TrainJob:
 
         group = parallel_state.get_pipeline_model_parallel_group()
         timed = timings[1:] or timings  # the first iteration warms up (allocations, groups)
-        mine = torch.tensor([sum(timed) / len(timed)], dtype=torch.float64, device=self.device)
+        from .. import launch
+
+        device = launch.collective_device(self.device)
+        mine = torch.tensor([sum(timed) / len(timed)], dtype=torch.float64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
         times = [float(item) for item in gathered]
@@ -1048,9 +1092,12 @@ class TrainJob:
         """At an iteration's end: whether a signal asked any rank to stop (all ranks agree, one
         iteration later: ``stop.py``); if so, save (unless this iteration just did) and say how to
         resume."""
+        from .. import launch
+
         assert self.stop is not None
         self.phase = f"the stop check at the end of iteration {iteration} (every rank)"
-        name = self.stop.agreed(self.device)
+        comm = self.hook.comm
+        name = self.stop.agreed(launch.collective_device(self.device), comm.launch if comm else None)
         if name is None:
             return False
         settings = self.settings

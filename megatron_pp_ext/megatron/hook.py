@@ -332,6 +332,13 @@ class Installed:
         # gate (``PipelineRuntime.step``); set by the training loop that owns the optimizer
         self.gate: Callable[[], bool] | None = None
 
+    @property
+    def comm(self) -> Any:
+        """The pipeline's PipeComm once a step has run (None before): collectives outside the
+        step launch through its queue to keep this rank's communication order."""
+        runtimes = list(self._runtimes.values())
+        return runtimes[0].comm if runtimes else None
+
     # -- what Megatron calls ------------------------------------------------------------------
 
     def get_forward_backward_func(self, pp_size: int | None = None, vp_size: int | None = None) -> Callable:

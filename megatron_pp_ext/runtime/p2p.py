@@ -20,6 +20,10 @@ Under NCCL each pair of each group is a communicator of its own, created at its 
 uses, and the runtime's other groups, before the step, in one global order; with
 ``emulate_nccl`` it imposes that creation rule on gloo too.
 
+Gloo moves host memory only: with ranks computing on a GPU over gloo (``--distributed-backend
+gloo``, several ranks sharing one GPU) every message is staged through host memory, copied out
+before its send and in after its receive (:meth:`PipeComm.wire_device`).
+
 Gloo send handles never report completion without a blocking ``wait()``, so on gloo one helper
 thread per channel (direction, peer) waits on that channel's sends in order (``wait`` releases
 the GIL) and marks each done; a send buffer is released as soon as it is out, which keeps the
@@ -132,6 +136,10 @@ class PipeComm:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def wire_device(self, device: torch.device) -> torch.device:
+        """Where a message of a tensor on ``device`` travels: host memory under gloo."""
+        return torch.device("cpu") if self._gloo else device
+
     def new_group(self, pipeline_ranks: Sequence[int]) -> dist.ProcessGroup:
         """The process group of these pipeline ranks (indices into ``ranks``) of this pipeline.
         Collective: the same group is created for every pipeline of the world, in one order, so
@@ -155,7 +163,7 @@ class PipeComm:
         self, tensor: Tensor, peer: int, direction: str, what: str, on_done: Callable[[], None] | None = None
     ) -> None:
         """Start sending ``tensor`` to pipeline rank ``peer``; ``on_done`` runs once it is out."""
-        buffer = tensor.detach().contiguous()
+        buffer = tensor.detach().to(self.wire_device(tensor.device)).contiguous()
         group = self.channel_group(direction, self.rank, peer)
         self.creation.use(self.creation.pair(direction, self.rank, peer), what)
         try:
@@ -240,14 +248,14 @@ class PipeComm:
         """Post the receive of a tensor from pipeline rank ``peer``; ``wait()`` on the result
         when the tensor is needed. Posting early is what keeps every rank's communication in one
         global order (``schedule/message_order.py``) without holding its compute back."""
-        buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
+        buffer = torch.empty(tuple(shape), dtype=dtype, device=self.wire_device(device))
         group = self.channel_group(direction, peer, self.rank)
         self.creation.use(self.creation.pair(direction, peer, self.rank), what)
         try:
             work = self.launch(lambda: dist.irecv(buffer, src=self.ranks[peer], group=group), what)
         except RuntimeError as error:
             raise PeerError(f"rank {self.rank}: {what} from rank {peer} failed: {error}") from error
-        return PostedRecv(self, work, buffer, what, peer)
+        return PostedRecv(self, work, buffer, what, peer, device)
 
     def wait_work(self, work: dist.Work, what: str, peer: int) -> None:
         """Wait for one transfer with ``peer`` within the timeout; PeerError names rank, op, peer."""
@@ -272,10 +280,20 @@ class PipeComm:
 
 
 class PostedRecv:
-    """A receive in flight; :meth:`wait` returns its tensor (once), within the deadline."""
+    """A receive in flight; :meth:`wait` returns its tensor (once), within the deadline, on
+    ``device`` (copied there from host memory when it was staged)."""
 
-    def __init__(self, comm: PipeComm, work: dist.Work, buffer: Tensor, what: str, peer: int) -> None:
+    def __init__(
+        self,
+        comm: PipeComm,
+        work: dist.Work,
+        buffer: Tensor,
+        what: str,
+        peer: int,
+        device: torch.device | None = None,
+    ) -> None:
         self.comm, self.work, self.buffer, self.what, self.peer = comm, work, buffer, what, peer
+        self.device = buffer.device if device is None else device
         self.done = False
 
     def wait(self) -> Tensor:
@@ -285,6 +303,7 @@ class PostedRecv:
                 self.comm.wait_work(self.work, f"{self.what} from", self.peer)
             finally:
                 self.comm.wait_seconds += time.monotonic() - start
+            self.buffer = self.buffer.to(self.device)  # staged through host memory: copy in
             self.done = True
         return self.buffer
 

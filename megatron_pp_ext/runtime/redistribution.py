@@ -87,15 +87,15 @@ class _Channel:
             raise PeerError(f"rank {self.comm.rank}: {what} rank {self.peer} failed: {error}") from error
 
     def send(self, tensors: Sequence[Tensor], what: str) -> list[tuple[Any, Tensor]]:
-        """Start sending ``tensors`` (on this rank's device: NCCL sends device tensors)."""
-        return [
-            self._start(dist.isend, t.detach().to(self.device).contiguous(), f"{what} to") for t in tensors
-        ]
+        """Start sending ``tensors`` (NCCL sends device tensors, gloo host ones: PipeComm.wire_device)."""
+        wire = self.comm.wire_device(self.device)
+        return [self._start(dist.isend, t.detach().to(wire).contiguous(), f"{what} to") for t in tensors]
 
     def post(self, specs: Sequence[Spec], what: str) -> list[tuple[Any, Tensor]]:
         """Post the receives of ``specs`` (shape, dtype) and return them in flight."""
+        wire = self.comm.wire_device(self.device)
         return [
-            self._start(dist.irecv, torch.empty(shape, dtype=dtype, device=self.device), f"{what} from")
+            self._start(dist.irecv, torch.empty(shape, dtype=dtype, device=wire), f"{what} from")
             for shape, dtype in specs
         ]
 
@@ -105,8 +105,12 @@ class _Channel:
             self.comm.wait_work(work, what, self.peer)
         return [buffer for _, buffer in works]
 
+    def received(self, works: Sequence[tuple[Any, Tensor]], what: str) -> list[Tensor]:
+        """Wait for posted receives; their tensors on this rank's device."""
+        return [buffer.to(self.device) for buffer in self.wait(works, what)]
+
     def recv(self, specs: Sequence[Spec], what: str) -> list[Tensor]:
-        return self.wait(self.post(specs, what), f"{what} from")
+        return self.received(self.post(specs, what), f"{what} from")
 
 
 def _header(
@@ -162,7 +166,7 @@ class _Request:
         comm = self.channel.comm
         start = time.monotonic()
         try:
-            result = self.channel.wait(self.answer, f"{self.what} from")
+            result = self.channel.received(self.answer, f"{self.what} from")
             self.channel.wait(self.sends, f"{self.what} to")
         finally:
             comm.wait_seconds += time.monotonic() - start

@@ -12,7 +12,7 @@ the script prints how far and from which iteration the two runs differ.
 
 The pipeline size is 1 (one GPU, and train runs NCCL, one rank per GPU), where post-validation's
 chain has one rank and every step is settled at once: this checks the GPU optimizer paths, not
-the optimistic step. When train has ``--pp-comm-backend`` the runs use 2 ranks on gloo (zb-h2).
+the optimistic step. When train has ``--distributed-backend`` the runs use 2 ranks sharing the GPU over gloo (zb-h2).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ def main() -> None:
     common.need_cuda()
     help_text = train_help()
     check_flags(["--pp-post-validation"], help_text)
-    if has_flag(help_text, "--pp-comm-backend"):
-        layout = ["--pp", "2", "--pp-comm-backend", "gloo", "--pp-schedule", "zb-h2"]
+    if has_flag(help_text, "--distributed-backend"):
+        layout = ["--pp", "2", "--distributed-backend", "gloo", "--pp-schedule", "zb-h2"]
     else:
         layout = ["--pp", "1", "--pp-schedule", "zb-h1"]
-        print("train has no --pp-comm-backend: pipeline size 1 (post-validation's chain has one rank)")
+        print("train has no --distributed-backend: pipeline size 1 (post-validation's chain has one rank)")
     losses = {}
     with tempfile.TemporaryDirectory(prefix="gpu_validate_post_") as scratch:
         directory = Path(scratch)

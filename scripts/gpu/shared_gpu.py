@@ -2,12 +2,12 @@
 without a pipeline, in bf16.
 
 ``train`` gives each rank its own GPU and talks NCCL, which refuses two ranks on one device; on a
-machine with one GPU the pipelined runs need train's ranks to share it and talk gloo:
-``--pp-comm-backend gloo``, which does not exist yet. Until ``train --help`` lists it this step
-says SKIP. Once it does, each schedule runs 3 iterations at each pipeline size on the bf16
-tiny-llama config (sequence-sliced schedules with 4 slices) and its losses must stay within 2 %
-of the same run at pipeline size 1 (1F1B, no pipeline); runs still to go after 480 s are reported
-as not run.
+machine with one GPU the pipelined runs share it and talk gloo: Megatron's ``--distributed-backend
+gloo``, with which train's ranks compute on the GPU and stage their messages through host memory.
+Each schedule runs 3 iterations at each pipeline size on the bf16 tiny-llama config
+(sequence-sliced schedules with 4 slices) and its losses must stay within 2 % of the same run at
+pipeline size 1 (1F1B, no pipeline); runs still to go after 480 s are reported as not run. A train
+without the flag (an older checkout) makes this step SKIP.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ BUDGET_S = 480
 
 def main() -> None:
     help_text = train_help()
-    if not has_flag(help_text, "--pp-comm-backend"):
-        common.skip("needs --pp-comm-backend gloo (not built yet)")
+    if not has_flag(help_text, "--distributed-backend"):
+        common.skip("needs train --distributed-backend gloo (this checkout's train has none)")
     common.need_cuda()
     from megatron_pp_ext.schedule.generators import SCHEDULES
 
@@ -47,7 +47,7 @@ def main() -> None:
                     not_run.append(f"{name}@{pp}")
                     continue
                 sliced = ["--pp-seq-slices", "4"] if name.startswith(("seq1f1b", "slimpipe")) else []
-                flags = [*base, "--pp", str(pp), "--pp-comm-backend", "gloo", "--pp-schedule", name, *sliced]
+                flags = [*base, "--pp", str(pp), "--distributed-backend", "gloo", "--pp-schedule", name, *sliced]
                 code, rows, error = run_train(flags, directory / f"{name}-{pp}.jsonl")
                 losses = [row["loss"] for row in rows]
                 if code != 0 or len(losses) != len(reference):
