@@ -21,6 +21,10 @@ Repeating the block and running it as soon as possible (the paper's *squeezing*)
 in the warm-up and the cool-down, where memory is underused; the paper *reorders* those phases.
 Ours lets the list scheduler do it: each rank follows the repeated block's order and, when its
 next op is not ready, fills the slot with other ready work, a new forward only under a cap.
+V-Half with whole microbatches reorders as the paper does instead (:func:`half_order`): in
+slots, each op of the warm-up and the cool-down moves to the earliest free slot after its inputs
+that keeps its rank within the block's memory; that is never worse than the list scheduler's
+fill with F = B = W, and as good as the paper's authors' generator in time, idle and memory.
 
 V-ZB is the paper's zero-bubble V (Qi et al.'s ZB-V), built in rounds on each rank's time line
 (:class:`ZeroBubbleV`): a warm-up that fills every rank to M, then one B and one F per rank and
@@ -228,28 +232,209 @@ def v_min(request: ScheduleRequest) -> Schedule:
 
 
 def v_half_blocks(pp: int) -> list[tuple[tuple[int, int], int, int, int]]:
-    """(climb, turn, w_delay, fill cap) of the V-Half candidates: forwards climbing the V two slots
-    per hop (backwards one) with a turn of two slots or one; or the tight block with a turn of p-1
-    slots at the loss, W right after B or a slot later; each with a fill cap of p/2 + 1 and of
-    3p/4 stage-units."""
+    """(climb, turn, w_delay, fill cap) of our list-scheduled V-Half blocks: forwards climbing the V
+    two slots per hop (backwards one) with a turn of two slots or one; or the tight block with a
+    turn of p-1 slots at the loss, W right after B or a slot later; each with a fill cap of p/2 + 1
+    and of 3p/4 stage-units."""
     blocks = [((2, 1), 2, 0), ((2, 1), 1, 0), ((1, 1), max(0, pp - 1), 0), ((1, 1), max(0, pp - 1), 1)]
     caps = sorted({pp // 2 + 1, (3 * pp) // 4})
     return [(climb, turn, w_delay, cap) for climb, turn, w_delay in blocks for cap in caps]
 
 
-def v_half(request: ScheduleRequest) -> Schedule:
-    """About half of V-ZB's lifespan and W right after B, so a rank holds about M/2 however B's
-    memory is counted: at most (p+2)/2 microbatches' worth, p+2 stage-units from F to W, the bound
-    every candidate must keep. The lifespan comes either from the passes that climb the V (the up
-    leg's forwards two slots per hop instead of one: about 5p slots per unit against V-Min's 4p)
-    or from a longer stay at the loss (a turn of p-1 slots).
+# ---- V-Half: the paper's block, repeated, its ends reordered ----------------------------------
 
-    Squeezing the repeated block leaves holes in the warm-up and the cool-down; the reorder fills
-    the warm-up with extra forwards under a cap and, once a rank has run all its forwards, lets
-    its Bs overtake its planned Ws (its memory only falls from there). Which block squeezes best
-    depends on p (its parity, and whether the turn or the climb is cheaper), so, like the paper's
-    generator, we build a few (:func:`v_half_blocks`) and keep the shortest within the bound, then
-    the one whose ranks idle least in their spans."""
+F_DOWN, F_UP, B_UP, B_DOWN, W_ANY = range(5)
+"""The lanes of one rank in the V-Half construction, in the order ties go: the forwards down and
+up the V, the backwards of the up leg (first: the loss is on rank 0) and of the down leg, the Ws.
+A W only needs some B before it and frees one stage-unit, so the construction counts Ws; each
+runs its rank's oldest pending W, as the list scheduler does."""
+HOLDS = (1, 1, 0, 0, -1)  # stage-units held from F to W that an op of each lane adds
+Lanes = list[list[int]]  # one rank: per lane, the slot of each microbatch
+
+
+def half_block(pp: int) -> list[tuple[int, int, int, int]]:
+    """Microbatch 0's slots on each rank (F down, F up, B up, B down): the paper's V-Half block.
+    The forwards go down the V two slots per hop and back up one, the backwards go back along the
+    up leg two slots per hop and up the down leg one, so a unit stays about half as long as V-ZB
+    keeps it; with p even the loss waits 3 slots more, so that the block repeated every 6 slots
+    never meets itself."""
+    wait = 3 if pp % 2 == 0 else 0
+    return [(2 * r, 3 * pp - 2 - r, 3 * pp - 1 + wait + 2 * r, 6 * pp - 2 + wait - r) for r in range(pp)]
+
+
+def _ops(ranks: list[Lanes]) -> list[tuple[int, int, int, int]]:
+    """(slot, rank, lane, microbatch) of every op, in time order."""
+    return sorted(
+        (slot, rank, lane, mb)
+        for rank, lanes in enumerate(ranks)
+        for lane, slots in enumerate(lanes)
+        for mb, slot in enumerate(slots)
+    )
+
+
+def _inputs(ranks: list[Lanes], rank: int, lane: int, mb: int) -> list[int]:
+    """Slots of what an F or B waits for: its lane's previous microbatch and the pass one stage
+    back along the V (for a B, its own F too)."""
+    pp, lanes = len(ranks), ranks[rank]
+    slots = [lanes[lane][mb - 1]] if mb else []
+    if lane == F_DOWN and rank > 0:
+        slots.append(ranks[rank - 1][F_DOWN][mb])
+    elif lane == F_UP:
+        slots.append(lanes[F_DOWN][mb] if rank == pp - 1 else ranks[rank + 1][F_UP][mb])
+    elif lane == B_UP:
+        slots += [lanes[F_UP][mb]] + ([ranks[rank - 1][B_UP][mb]] if rank > 0 else [])
+    elif lane == B_DOWN:
+        slots += [lanes[F_DOWN][mb], lanes[B_UP][mb] if rank == pp - 1 else ranks[rank + 1][B_DOWN][mb]]
+    return slots
+
+
+def _peak(lanes: Lanes) -> int:
+    """The most stage-units the rank holds from F to W, slot by slot. Without a W lane, each free
+    slot runs a W if a B has left one: where the Ws will go."""
+    lane_at = {slot: lane for lane, slots in enumerate(lanes) for slot in slots}
+    held = peak = pending = 0
+    for slot in range(max(lane_at) + 1):
+        lane = lane_at.get(slot)
+        if lane is not None:
+            held += HOLDS[lane]
+            pending += lane in (B_UP, B_DOWN)
+        elif pending and len(lanes) == W_ANY:
+            held, pending = held - 1, pending - 1
+        peak = max(peak, held)
+    return peak
+
+
+def _w_slots(lanes: Lanes) -> list[int]:
+    """Each W in the first free slot once a B has left one; the rest one a slot after the last."""
+    lane_at = {slot: lane for lane, slots in enumerate(lanes[:W_ANY]) for slot in slots}
+    last, slot, pending = max(lane_at), 0, 0
+    ws: list[int] = []
+    while slot <= last or pending:
+        lane = lane_at.get(slot)
+        if lane is None and pending:
+            ws.append(slot)
+            pending -= 1
+        elif lane in (B_UP, B_DOWN):
+            pending += 1
+        slot += 1
+    return ws
+
+
+def _squeeze(ranks: list[Lanes]) -> list[Lanes]:
+    """Every op as early as its inputs and its rank allow, one slot each, in the order of the
+    slots: the paper's squeezing."""
+    start = [[[0] * len(slots) for slots in lanes] for lanes in ranks]
+    free = [0] * len(ranks)
+    for _, rank, lane, mb in _ops(ranks):
+        at = free[rank]
+        if lane != W_ANY:
+            at = max([at, *(slot + 1 for slot in _inputs(start, rank, lane, mb))])
+        start[rank][lane][mb] = at
+        free[rank] = at + 1
+    return start
+
+
+def _reorder(ranks: list[Lanes], warm_up: bool) -> None:
+    """The paper's reorder: in time order, each op of the cool-down (and of the warm-up with
+    ``warm_up``) moves to the earliest slot after its inputs that no op seen before takes and where
+    its rank holds no more than the fullest rank of the repeated block. The warm-up ends at rank 0's
+    first down-leg B (the last B of microbatch 0), the cool-down starts after the last
+    microbatch's first forward; the steady state between keeps the block's slots."""
+    cap = max(_peak(lanes) for lanes in ranks)
+    last = len(ranks[0][F_DOWN]) - 1
+    taken: list[set[int]] = [set() for _ in ranks]
+    phase = "warm-up"
+    for slot, rank, lane, mb in _ops(ranks):
+        if phase == "warm-up" and lane == B_DOWN and rank == 0:
+            phase = "steady"
+        if phase == "steady" and lane == F_DOWN and mb == last:
+            phase = "cool-down"
+            taken[rank].add(slot)
+            continue
+        if phase == "steady" or (phase == "warm-up" and not warm_up):
+            taken[rank].add(slot)
+            continue
+        lanes = ranks[rank]
+        if lane == W_ANY:  # after the rank's mb-th B
+            inputs = [sorted(lanes[B_UP] + lanes[B_DOWN])[mb]] + ([lanes[W_ANY][mb - 1]] if mb else [])
+        else:
+            inputs = _inputs(ranks, rank, lane, mb)
+        for earlier in range(max(inputs, default=-1) + 1, slot):
+            if earlier in taken[rank]:
+                continue
+            lanes[lane][mb] = earlier
+            if _peak(lanes) <= cap:
+                break
+        else:
+            lanes[lane][mb] = slot
+        taken[rank].add(lanes[lane][mb])
+
+
+def half_order(pp: int, microbatches: int) -> list[list[Op]]:
+    """Each rank's ops in the paper's V-Half order: its block repeated every 6 slots, the Ws in the
+    free slots, the warm-up and the cool-down reordered and everything squeezed; then the
+    cool-down reordered once more with the Ws left to whatever slots are free, squeezed, and the
+    Ws put in the free slots (each the rank's oldest pending one)."""
+    ranks = [
+        [[slot + PERIOD * mb for mb in range(microbatches)] for slot in block] for block in half_block(pp)
+    ]
+    for lanes in ranks:
+        lanes.append(_w_slots(lanes))
+    _reorder(ranks, warm_up=True)
+    ranks = [lanes[:W_ANY] for lanes in _squeeze(ranks)]
+    _reorder(ranks, warm_up=False)
+    ranks = [lanes[:W_ANY] for lanes in _squeeze([lanes + [_w_slots(lanes)] for lanes in ranks])]
+    plan: list[list[Op]] = []
+    for rank, lanes in enumerate(ranks):
+        stage = {F_DOWN: rank, F_UP: 2 * pp - 1 - rank, B_UP: 2 * pp - 1 - rank, B_DOWN: rank}
+        timed = [
+            (slot, Op(OpKind.F if lane in (F_DOWN, F_UP) else OpKind.B, stage[lane], mb))
+            for lane, slots in enumerate(lanes)
+            for mb, slot in enumerate(slots)
+        ]
+        backwards = [op for _, op in sorted(timed, key=lambda item: item[0]) if op.kind == OpKind.B]
+        timed += [(slot, Op(OpKind.W, b.stage, b.microbatch)) for slot, b in zip(_w_slots(lanes), backwards)]
+        plan.append([op for _, op in sorted(timed, key=lambda item: item[0])])
+    return plan
+
+
+class FollowOrder:
+    """Run each rank's ops in the given order, waiting whenever the next one is not ready."""
+
+    def __init__(self, plan: list[list[Op]]) -> None:
+        self.plan = plan
+        self.position = [0] * len(plan)
+
+    def __call__(self, view: RankView, ready: list[Op]) -> Op | None:
+        planned = self.plan[view.rank][self.position[view.rank]]
+        if planned not in ready:
+            return None
+        self.position[view.rank] += 1
+        return planned
+
+
+def _figures(result: ListResult) -> tuple[float, ...]:
+    """Makespan, idle in the ranks' spans, and the peak counted until B, half until W, until W."""
+    return (
+        result.makespan,
+        sum(result.span_idle),
+        max(result.peak_activations),
+        max(result.peak_units),
+        max(result.peak_in_flight),
+    )
+
+
+def v_half(request: ScheduleRequest) -> Schedule:
+    """The paper's V-Half (:func:`half_order`): a unit lives about half as long as in V-ZB and each
+    W fills the first free slot after its B, so a rank holds about M/2 however B's memory is
+    counted: at most (p+2)/2 microbatches' worth, p+2 stage-units from F to W.
+
+    Our list-scheduled blocks (:func:`v_half_blocks`, the first V-Half) are tried too, and one is
+    kept only when it is no worse than the paper's in makespan, idle and every peak and better in
+    one of the first two: that can happen with the costs the planner gives, never with F = B = W
+    for p = 2..16. With k slices the paper's order does not apply (a unit is a slice, and a
+    microbatch's backwards go last slice first): the shortest of our blocks within the bound,
+    then the one that idles least."""
     pp, slices = request.pp, request.slices
     bound = (pp + 2) * slices
     candidates = [
@@ -259,10 +444,28 @@ def v_half(request: ScheduleRequest) -> Schedule:
     # our first V-Half (W a period after B, the fill counted with B freeing half): within the
     # bound only when slices make the units small
     candidates.append(v_shape(request, "v-half", max(0, pp - 1), 6, pp // 2 + 1, strict=False))
-    return min(
-        candidates,
-        key=lambda result: (max(result.peak_in_flight) > bound, result.makespan, sum(result.span_idle)),
-    ).schedule
+    if slices > 1:
+        return min(
+            candidates,
+            key=lambda result: (max(result.peak_in_flight) > bound, result.makespan, sum(result.span_idle)),
+        ).schedule
+    paper = list_schedule(
+        request.name or "v-half",
+        v_placement(pp),
+        request.microbatches,
+        1,
+        FollowOrder(half_order(pp, request.microbatches)),
+        costs=request.costs,
+        meta={"construction": "paper"},
+    )
+    reference = _figures(paper)
+    better = [
+        result
+        for result in candidates
+        if all(a <= b + 1e-9 for a, b in zip(_figures(result), reference))
+        and _figures(result)[:2] < reference[:2]
+    ]
+    return min(better or [paper], key=lambda result: _figures(result)[:2]).schedule
 
 
 # ---- V-ZB: zero bubble at M, built in rounds ---------------------------------------------------
