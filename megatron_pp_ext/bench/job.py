@@ -12,7 +12,6 @@ from typing import Any
 from ..schedule.generators import SCHEDULES, RequestError, generate
 from ..schedule.ir import Schedule
 from ..schedule.nccl_check import check_nccl
-from .megatron_job import MEGATRON_PAIRS, MegatronPair
 
 # Both sizes fit the 2-core CPU machine; "small" makes compute, not Python overhead, dominate.
 MODEL_SIZES: dict[str, dict[str, Any]] = {
@@ -51,6 +50,23 @@ class TorchPair:
     cls: str
     stages_per_rank: int
     placement: str  # "interleaved" (stage s on rank s mod p, torch's "loop") or "vshape"
+
+
+@dataclass(frozen=True)
+class MegatronPair:
+    """One of megatron-core's pipeline schedules: its function in
+    ``megatron.core.pipeline_parallel.schedules`` and the model chunks per rank it runs."""
+
+    function: str
+    chunks: int
+    label: str
+
+
+# Our schedule -> megatron-core's own; the others are timed against the faster of these two.
+MEGATRON_PAIRS: dict[str, MegatronPair] = {
+    "1f1b": MegatronPair("forward_backward_pipelining_without_interleaving", 1, "1F1B"),
+    "interleaved-1f1b": MegatronPair("forward_backward_pipelining_with_interleaving", 2, "interleaved 1F1B"),
+}
 
 
 # Our schedule -> torch's counterpart. ScheduleInterleavedZeroBubble is ZB-H1 ("ZB1P") and with

@@ -22,8 +22,6 @@ higher for the same memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -31,24 +29,8 @@ from ..megatron.model import ModelConfig, build_chunks_from
 from ..megatron.steps import forward_step
 from ..runtime import ActivationMeter
 from ..schedule.ir import Placement
+from .job import MegatronPair
 from .our_job import microbatch_loss
-
-
-@dataclass(frozen=True)
-class MegatronPair:
-    """One of megatron-core's pipeline schedules: its function in
-    ``megatron.core.pipeline_parallel.schedules`` and the model chunks per rank it runs."""
-
-    function: str
-    chunks: int
-    label: str
-
-
-# Our schedule -> megatron-core's own; the others are timed against the faster of these two.
-MEGATRON_PAIRS: dict[str, MegatronPair] = {
-    "1f1b": MegatronPair("forward_backward_pipelining_without_interleaving", 1, "1F1B"),
-    "interleaved-1f1b": MegatronPair("forward_backward_pipelining_with_interleaving", 2, "interleaved 1F1B"),
-}
 
 
 class MegatronJob:

@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..megatron.model import ModelConfig
-from .job import BenchSettings, Row
-from .megatron_job import MEGATRON_PAIRS, MegatronPair
+from .job import MEGATRON_PAIRS, BenchSettings, MegatronPair, Row
 
 CHECK_RTOL = {"loss": 1e-5, "grad_norm": 1e-4}
 

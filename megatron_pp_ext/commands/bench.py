@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 
+from ..bench.emulate import add_emulate_arguments
 from ..bench.job import (
     DEFAULT_SLICES,
     MEGATRON_DEFAULT,
@@ -73,6 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--verbose", action="store_true", help="also show megatron-core's start-up warnings (quiet.py)"
     )
+    add_emulate_arguments(parser)
     parser.add_argument(
         "--count-calls",
         action="store_true",
@@ -120,6 +122,14 @@ def check(args: argparse.Namespace) -> None:
             f"--iterations: {args.iterations} is too few paired rounds for --against megatron: "
             f"use {MIN_ROUNDS} or more",
         )
+    if emulating(args) and args.against != "torch":
+        raise UsageError(
+            "--emulate", "emulated compute runs no model to compare with Megatron: drop --against"
+        )
+
+
+def emulating(args: argparse.Namespace) -> bool:
+    return args.emulate is not None or args.emulate_skew is not None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.worker import worker
 
     check(args)
+    if emulating(args):
+        return run_emulated(args)
     names = ordered_names(selected(args.schedules, args.against), args.against)
     num_layers = MODEL_SIZES[args.model_size]["model"]["num_layers"]
     rows = [
@@ -163,12 +175,35 @@ def run(args: argparse.Namespace) -> int:
     if not text:  # another rank's process under torchrun/srun: rank 0 reports
         return 0
     results = json.loads(text)
-    if args.save:
-        with open(args.save, "w") as handle_out:
-            json.dump(results, handle_out, indent=1)
+    save(args, results)
     if args.json:
         print(json.dumps(results))
     else:
         print(report.header(results))
         print(report.format_table(report.table_rows(results)))
     return 0
+
+
+def run_emulated(args: argparse.Namespace) -> int:
+    """``--emulate F,B,W``: the lowered schedules with emulated compute and real messages,
+    beside the simulator's prediction for the same costs (bench/emulate.py)."""
+    from ..bench.emulate import format_emulate_table, run_emulate
+    from ..schedule.generators import RequestError
+
+    # default: Megatron's two schedules and what a user could switch to
+    names = selected(args.schedules, "megatron")
+    try:
+        results = run_emulate(args, names)
+    except RequestError as error:
+        raise UsageError(error.flag, str(error)) from None
+    if not results:  # another rank's process under torchrun/srun
+        return 0
+    save(args, results)
+    print(json.dumps(results) if args.json else format_emulate_table(results))
+    return 0
+
+
+def save(args: argparse.Namespace, results: dict) -> None:
+    if args.save:
+        with open(args.save, "w") as handle_out:
+            json.dump(results, handle_out, indent=1)
