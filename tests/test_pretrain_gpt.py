@@ -55,11 +55,18 @@ def apply_patch(tree: Path) -> subprocess.CompletedProcess:
     )
 
 
+TRAINING_DEPS = ("six", "regex", "pydantic", "triton")  # Megatron-LM's training package needs them
+
+
 @pytest.fixture(scope="session")
 def patched_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    for package in ("six", "regex", "pydantic", "triton"):  # Megatron-LM's training package needs them
+    for package in TRAINING_DEPS:
         pytest.importorskip(package, reason="Megatron-LM's training deps: pip install -e '.[megatron-lm]'")
-    tree = tmp_path_factory.mktemp("megatron-lm") / "megatron-lm"
+    return make_patched_tree(tmp_path_factory.mktemp("megatron-lm") / "megatron-lm")
+
+
+def make_patched_tree(tree: Path) -> Path:
+    """Megatron-LM copied to ``tree`` with the patch applied."""
     shutil.copytree(TREE, tree)
     result = apply_patch(tree)
     assert result.returncode == 0, result.stderr
@@ -107,7 +114,7 @@ def test_patch_is_small_and_applies_cleanly(tmp_path: Path) -> None:
 
 
 PARSE = """
-import json, os, sys
+import contextlib, io, json, os, sys
 sys.path[:0] = [{tree!r}]
 os.environ.setdefault("WORLD_SIZE", "4")
 from megatron.training import arguments
@@ -117,11 +124,16 @@ arguments.get_device_arch_version = lambda: 10  # asks torch.cuda under TP/CP > 
 outcomes = []
 for argv in json.loads({cases!r}):
     sys.argv = ["pretrain_gpt.py", *argv]
+    stderr = io.StringIO()
     try:
-        args = parse_args(pp_ext.extra_args_provider())
+        with contextlib.redirect_stderr(stderr):
+            args = parse_args(pp_ext.extra_args_provider())
         validate_args(args, {{}})
         pp_ext.check_args(args)
         outcomes.append({{"ok": True, "vp": args.virtual_pipeline_model_parallel_size}})
+    except SystemExit as error:  # the parser's error (our checks run there): the usage, then one line
+        last = stderr.getvalue().splitlines()[-1]
+        outcomes.append({{"ok": False, "error": f"exit {{error.code}}: {{last}}"}})
     except BaseException as error:
         outcomes.append({{"ok": False, "error": f"{{type(error).__name__}}: {{error}}"}})
 print(json.dumps(outcomes))
@@ -185,6 +197,153 @@ def test_megatron_parser_takes_our_flags(parsed: list[dict], case: int) -> None:
         assert outcome["ok"], outcome
     else:
         assert not outcome["ok"] and expect in outcome["error"], outcome
+
+
+# -- a bad pretrain_gpt.py command line: exit status 2 and one last line naming the flag -------------
+
+# What each command line runs: pretrain_gpt.py's own module (the patched script, imported: its
+# extra_args_provider expression) and Megatron-LM's parse_args, as pretrain() does first, in a
+# process of its own with WORLD_SIZE set as torchrun sets it (forked from one that imported
+# Megatron-LM's training package once: seconds); then validate_args and, for a line the parser
+# passes, our checks, or with ``late`` set (attributes the parser did not see, as
+# --use-checkpoint-args or --yaml-cfg bring them) the patched model provider's first call.
+RUN_LINES = """
+import json, os, sys, tempfile, traceback
+sys.path[:0] = [{tree!r}]
+import pretrain_gpt
+from megatron.training import arguments, global_vars
+results = []
+for argv, late in json.loads({cases!r}):
+    with tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush(); sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+                os.dup2(err.fileno(), 2)
+                os.environ["WORLD_SIZE"] = "{world}"
+                sys.argv = ["pretrain_gpt.py", *argv]
+                modelopt = pretrain_gpt.add_modelopt_args if pretrain_gpt.has_nvidia_modelopt else None
+                args = arguments.parse_args(pretrain_gpt.pp_ext.extra_args_provider(modelopt))
+                arguments.validate_args(args, {{}})
+                if late is None:
+                    pretrain_gpt.pp_ext.check_args(args)
+                else:
+                    vars(args).update(late)
+                    global_vars.set_args(args)
+                    pretrain_gpt.pp_ext.placed_model_provider(None)()
+            except SystemExit as error:
+                code = error.code if isinstance(error.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        err.seek(0)
+        results.append([os.waitstatus_to_exitcode(status), err.read()])
+print(json.dumps(results))
+"""
+WORLD_SIZE = 4  # torchrun --nproc-per-node 4
+
+# (pretrain_gpt.py flags after TIED, shown as <tiny>; the flag the last stderr line must name)
+BAD_LINES: list[tuple[str, str]] = [
+    ("--pipeline-model-parallel-size 4 --pp-schedule no-such", "--pp-schedule"),
+    ("--pipeline-model-parallel-size 2 --pp-seq-slices 0", "--pp-seq-slices"),
+    ("--pipeline-model-parallel-size 2 --pp-schedule seq1f1b --pp-seq-slices 5", "--pp-seq-slices"),
+    (
+        "--pipeline-model-parallel-size 2 --pp-schedule slimpipe-interleaved "
+        "--num-virtual-stages-per-pipeline-rank 2",
+        "--pp-seq-slices",
+    ),
+    ("--pipeline-model-parallel-size 4 --pp-schedule v-zb", "--num-virtual-stages-per-pipeline-rank"),
+    (
+        "--pipeline-model-parallel-size 4 --pp-schedule v-zb --num-virtual-stages-per-pipeline-rank 2",
+        "--untie-embeddings-and-output-weights",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --pp-schedule interleaved-1f1b --pp-chunks 2 "
+        "--num-virtual-stages-per-pipeline-rank 4",
+        "--num-virtual-stages-per-pipeline-rank",
+    ),
+    ("--pipeline-model-parallel-size 2 --pp-chunks 0", "--pp-chunks"),
+    ("--pipeline-model-parallel-size 2 --pp-vocab-parallel vocab-1", "--pp-vocab-parallel"),
+    (
+        "--pipeline-model-parallel-size 2 --untie-embeddings-and-output-weights --pp-schedule seq1f1b "
+        "--pp-seq-slices 2 --pp-vocab-parallel vocab-1",
+        "--pp-vocab-parallel",
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --pp-schedule zb-h1 --transformer-impl transformer_engine",
+        "--transformer-impl",
+    ),
+    ("--pipeline-model-parallel-size 2 --pp-offload bogus", "--pp-offload"),
+    ("--pipeline-model-parallel-size 2 --pp-attn-redistribution 0.5", "--pp-attn-redistribution"),
+    (
+        "--pipeline-model-parallel-size 2 --pp-schedule slimpipe --pp-seq-slices 4 "
+        "--pp-attn-redistribution 2",
+        "--pp-attn-redistribution",
+    ),
+    ("--pipeline-model-parallel-size 2 --pp-zb-costs 1,x", "--pp-zb-costs"),
+    ("--pipeline-model-parallel-size 2 --cpu-offloading-num-layers 1", "--cpu-offloading"),
+]
+GOOD_LINE = "--pipeline-model-parallel-size 4 --pp-schedule zb-h1"
+# Passes the parser; attributes that come later (a checkpoint's, say) make the schedule impossible.
+LATE = ("--pipeline-model-parallel-size 2", {"pp_schedule": "seq1f1b", "pp_seq_slices": 5})
+
+
+def run_pretrain_lines(tree: Path, lines: list[tuple[str, dict | None]]) -> list[tuple[int, str]]:
+    """(exit status, stderr) of each ``(flags after <tiny>, late)`` line: see :data:`RUN_LINES`."""
+    cases = json.dumps([([*TIED, *flags.split()], late) for flags, late in lines])
+    code = RUN_LINES.format(tree=str(tree), cases=cases, world=WORLD_SIZE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [(status, stderr) for status, stderr in json.loads(result.stdout.strip().splitlines()[-1])]
+
+
+def last_line(stderr: str) -> str:
+    return (stderr.strip().splitlines() or [""])[-1]
+
+
+@pytest.fixture(scope="module")
+def pretrain_lines(patched_tree: Path) -> list[tuple[int, str]]:
+    """:data:`BAD_LINES`, then :data:`GOOD_LINE`, then :data:`LATE`."""
+    lines = [(flags, None) for flags, _ in BAD_LINES] + [(GOOD_LINE, None), LATE]
+    return run_pretrain_lines(patched_tree, lines)
+
+
+@pytest.mark.parametrize("case", range(len(BAD_LINES)), ids=[flags for flags, _ in BAD_LINES])
+def test_bad_pretrain_gpt_line_exits_2_with_one_line_naming_the_flag(
+    pretrain_lines: list[tuple[int, str]], case: int
+) -> None:
+    """Refused by Megatron-LM's parser (our checks run there) before torch.distributed starts:
+    argparse's usage, then ``pretrain_gpt.py: error: --flag: ...``; no traceback."""
+    status, stderr = pretrain_lines[case]
+    flag = BAD_LINES[case][1]
+    last = last_line(stderr)
+    assert status == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert last.startswith("pretrain_gpt.py: error: ") and flag in last, last
+    assert "usage: pretrain_gpt.py" in stderr
+
+
+def test_megatron_parser_passes_a_good_pretrain_gpt_line(pretrain_lines: list[tuple[int, str]]) -> None:
+    status, stderr = pretrain_lines[len(BAD_LINES)]
+    assert status == 0, stderr[-3000:]
+
+
+def test_bad_arguments_the_parser_did_not_see_end_in_one_line_at_model_build(
+    pretrain_lines: list[tuple[int, str]],
+) -> None:
+    """What only the model provider sees (arguments changed after parsing) ends there: one line,
+    exit status 2, no traceback (torch.distributed is up: ``os._exit``, no teardown noise)."""
+    status, stderr = pretrain_lines[-1]
+    assert status == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert last_line(stderr).startswith("pretrain_gpt.py: error: --pp-seq-slices: "), stderr[-3000:]
+    assert "usage:" not in stderr
 
 
 def test_get_model_builds_the_schedules_stages(patched_tree: Path, tmp_path: Path) -> None:

@@ -231,9 +231,12 @@ def check_under_nccl(schedule: Schedule) -> None:
 
 
 def parse_costs(text: str) -> Costs:
-    values = [float(part) for part in str(text).split(",")]
+    try:
+        values = [float(part) for part in str(text).split(",")]
+    except ValueError:
+        values = []
     if len(values) != 3 or min(values) <= 0:
-        raise ValueError(f"--pp-zb-costs: expected three positive numbers F,B,W, got {text!r}")
+        raise OptionError(f"expected three positive numbers F,B,W, got {text!r}", "--pp-zb-costs")
     return Costs(forward=values[0], backward=values[1], weight=values[2])
 
 

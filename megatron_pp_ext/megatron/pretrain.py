@@ -3,11 +3,13 @@
 The patch stays a few lines; the logic lives here:
 
 * :func:`extra_args_provider` adds our ``--pp-*`` flags to Megatron's parser (chained with
-  ModelOpt's provider when pretrain_gpt.py has one).
+  ModelOpt's provider when pretrain_gpt.py has one), and has the parser run :func:`check_args`
+  on what it parsed: a bad combination ends there, the argparse way (usage, then
+  ``pretrain_gpt.py: error: --flag: ...``, exit status 2), before torch.distributed starts.
 * :func:`placed_model_provider` wraps pretrain_gpt's model provider: on its first call it checks
-  Megatron's parsed arguments against the schedule (:func:`check_args`) and installs the hook;
-  then it builds each chunk Megatron asks for (per ``vp_stage``) as the stage the schedule places
-  there.
+  Megatron's parsed arguments against the schedule (:func:`check_args`; what the parser could not
+  check ends here in one line, exit status 2) and installs the hook; then it builds each chunk
+  Megatron asks for (per ``vp_stage``) as the stage the schedule places there.
 * :func:`layer_spec_for` is applied by ``gpt_builders.py`` to the layer spec it chose: sliced
   attention for ``--pp-seq-slices`` > 1 and for context parallelism on the local spec, deferrable
   linears for the B/W split on the local spec.
@@ -29,6 +31,10 @@ import argparse
 import contextlib
 import copy
 import functools
+import io
+import os
+import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,9 +68,64 @@ def extra_args_provider(*others: Callable[[argparse.ArgumentParser], Any] | None
         for other in others:
             if other is not None:
                 parser = other(parser) or parser
-        return parser
+        return checking_parser(parser)
 
     return provide
+
+
+def checking_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` with its ``parse_args`` and ``parse_known_args`` followed by
+    :func:`check_parsed`: Megatron-LM's ``parse_args`` calls one of them before torch.distributed
+    starts, so a bad combination of flags ends there as ``parser.error`` does (the usage line,
+    ``pretrain_gpt.py: error: --flag: ...``, exit status 2, no traceback)."""
+    depth = [0]  # argparse's parse_args calls parse_known_args: check once, in the outer call
+
+    def checked(parse: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(parse)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            try:
+                parsed = parse(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                try:
+                    check_parsed(parsed[0] if isinstance(parsed, tuple) else parsed)
+                except OptionError as error:
+                    parser.error(str(error))
+            return parsed
+
+        return run
+
+    parser.parse_known_args = checked(parser.parse_known_args)  # type: ignore[method-assign]
+    parser.parse_args = checked(parser.parse_args)  # type: ignore[method-assign]
+    return parser
+
+
+def check_parsed(namespace: argparse.Namespace) -> None:
+    """:func:`check_args` on the command line as Megatron-LM's ``validate_args`` will complete
+    it (the data-parallel size from ``WORLD_SIZE``, the virtual pipeline size, defaults): run on
+    a copy, its output silenced. Skipped where that is not yet known: a YAML config or
+    ``--use-checkpoint-args`` (the arguments change later), or a command line Megatron refuses
+    (its own check reports that); :func:`placed_model_provider` checks again at model build."""
+    if getattr(namespace, "yaml_cfg", None) or getattr(namespace, "use_checkpoint_args", False):
+        return
+    args = copy.deepcopy(namespace)
+    args.rank = int(os.getenv("RANK", "0"))  # as Megatron-LM's parse_args sets them after parsing
+    args.world_size = int(os.getenv("WORLD_SIZE", "1"))
+    try:
+        from megatron.training.arguments import validate_args
+
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")
+            validate_args(args, {})
+    except Exception:  # not Megatron-LM's parser, or a command line it refuses: it says why later
+        return
+    check_args(args)
 
 
 def check_args(args: Any) -> None:
@@ -256,7 +317,7 @@ def placed_model_provider(provider: Callable[..., Any]) -> Callable[..., Any]:
         from megatron.training import get_args
 
         args = get_args()
-        layout = placement(args)
+        layout = _placement_or_exit(args)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         rank = pg_collection.pp.rank()
@@ -284,6 +345,23 @@ def placed_model_provider(provider: Callable[..., Any]) -> Callable[..., Any]:
         return model
 
     return build
+
+
+def _placement_or_exit(args: Any) -> Placement:
+    """:func:`placement`, or the end of the process in one line on stderr and exit status 2 when
+    :func:`check_args` refuses what the parser could not check (every rank says it: the check
+    depends on the arguments only). ``os._exit``: torch.distributed is up, and Python's exit
+    would add its teardown warnings after the line."""
+    try:
+        return placement(args)
+    except OptionError as error:
+        sys.stdout.flush()
+        print(
+            f"{os.path.basename(sys.argv[0]) or 'pretrain_gpt.py'}: error: {error}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(2)
 
 
 def _place_vocabulary(chunk: Any, chunk_index: int, layout: Placement, args: Any) -> None:
