@@ -16,9 +16,9 @@ import pytest
 
 from megatron_pp_ext.schedule.gate import FORWARD_SIDE, ValidationGate, validation_gate
 from megatron_pp_ext.schedule.generators import SCHEDULES, RequestError, generate
-from megatron_pp_ext.schedule.ir import Op, OpKind, Schedule
+from megatron_pp_ext.schedule.ir import Op, OpKind, Schedule, matching_op
 from megatron_pp_ext.schedule.iterations import completion_order
-from megatron_pp_ext.schedule.lowering import lower, matching_op
+from megatron_pp_ext.schedule.lowering import lower
 from megatron_pp_ext.schedule.offload import OffloadPolicy, apply_offload
 from megatron_pp_ext.schedule.vocab import add_vocab_passes
 

@@ -22,7 +22,6 @@ device. :func:`check_parallel_state` refuses a state whose pipeline size is not 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -35,10 +34,11 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..attention.cp_layout import take_local
 from ..schedule.memory_model import stage_layers
 from ..schedule.models import ModelShape
 from .layer_spec import block_spec, layer_spec
+from .rotary import DeviceRotaryEmbedding
+from .sliced import enable_slicing
 
 DTYPES = {
     "float32": torch.float32,
@@ -252,32 +252,6 @@ def _device() -> torch.device:
     )
 
 
-class DeviceRotaryEmbedding(RotaryEmbedding):
-    """Megatron's RotaryEmbedding moves its frequencies to ``torch.cuda.current_device()`` on first
-    use; this one keeps them on the model's device, so the same model runs on CPU."""
-
-    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-        if self.rotary_interleaved:
-            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        return emb[:, None, None, :]
-
-    @functools.lru_cache(maxsize=32)  # noqa: B019 (as Megatron's own forward: a few shapes per model)
-    def forward(
-        self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None
-    ) -> torch.Tensor:
-        """Megatron's forward with a device-agnostic context-parallel cut (Megatron's
-        ``get_pos_emb_on_this_cp_rank`` pins memory and moves to CUDA): positions
-        [offset, offset + max_seq_len) cut into 2*CP pieces, this rank's two kept."""
-        emb = self.get_emb(max_seq_len, offset)
-        group = self.cp_group if cp_group is None else cp_group
-        if group is not None and group.size() > 1 and not packed_seq:
-            emb = take_local(emb, 0, group.size(), group.rank())
-        return emb
-
-
 def _gpt(
     model: ModelConfig,
     num_layers: int,
@@ -308,8 +282,6 @@ def _gpt(
     # Torch norms are created in the default dtype whatever params_dtype says.
     gpt = gpt.to(device=device, dtype=model.torch_dtype)
     if sliced:
-        from .sliced import enable_slicing
-
         enable_slicing(gpt)
     return gpt
 

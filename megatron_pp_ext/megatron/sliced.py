@@ -17,7 +17,7 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from ..attention import SliceContext, SlicedCoreAttention, attach_slice_context
-from .model import DeviceRotaryEmbedding
+from .rotary import DeviceRotaryEmbedding
 
 
 class SlicedRotaryEmbedding(DeviceRotaryEmbedding):

@@ -165,8 +165,7 @@ def measure_op_memory(
     """
     from megatron.core.utils import get_attr_wrapped_model
 
-    from .stage import run_backward
-    from .weight_grad import WeightGradStore, attach_store
+    from .weight_grad import WeightGradStore, attach_store, run_backward
 
     meter = ActivationMeter()
     meter.exclude(chunk.parameters())
@@ -216,8 +215,7 @@ def measure_slice_memory(
     runs slice j's forward, ``make_input(j)`` gives its stage input (None on the first stage)."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    from .stage import run_backward
-    from .weight_grad import WeightGradStore, attach_store
+    from .weight_grad import WeightGradStore, attach_store, run_backward
 
     meter = ActivationMeter()
     meter.exclude(chunk.parameters())

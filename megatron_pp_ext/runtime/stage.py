@@ -24,31 +24,10 @@ from .context_parallel import tokens_on_all_cp_ranks
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, saving
 from .slicing import SliceLosses, combine_reports, sliced_loss
-from .weight_grad import WeightGradStore, attach_store
+from .weight_grad import WeightGradStore, attach_store, run_backward
 
 Key = tuple[int, int]  # (microbatch, slice)
 ForwardStepFunc = Callable[..., tuple[Any, Callable[..., Any] | None]]
-
-
-def run_backward(
-    output: Tensor, grad: Tensor | None, inputs: Sequence[Tensor] = (), accumulate: bool = False
-) -> tuple[Tensor | None, ...]:
-    """Backward from ``output`` through the C++ engine, like Megatron's ``custom_backward``:
-    the output may have been pseudo-freed (``.data`` replaced), so shapes are not checked.
-
-    With ``accumulate`` the gradients go into ``.grad`` of every leaf (a classic backward);
-    without, the gradients of ``inputs`` are returned and nothing is accumulated."""
-    if grad is None:
-        grad = torch.ones_like(output)
-    return torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
-        tensors=(output,),
-        grad_tensors=(grad,),
-        keep_graph=False,
-        create_graph=False,
-        inputs=tuple(inputs),
-        allow_unreachable=True,
-        accumulate_grad=accumulate,
-    )
 
 
 def deallocate(tensor: Tensor) -> None:

@@ -41,6 +41,27 @@ def accumulate_grad(param: Tensor, grad: Tensor) -> None:
         param.grad.add_(grad.to(param.grad.dtype))
 
 
+def run_backward(
+    output: Tensor, grad: Tensor | None, inputs: Sequence[Tensor] = (), accumulate: bool = False
+) -> tuple[Tensor | None, ...]:
+    """Backward from ``output`` through the C++ engine, like Megatron's ``custom_backward``:
+    the output may have been pseudo-freed (``.data`` replaced), so shapes are not checked.
+
+    With ``accumulate`` the gradients go into ``.grad`` of every leaf (a classic backward);
+    without, the gradients of ``inputs`` are returned and nothing is accumulated."""
+    if grad is None:
+        grad = torch.ones_like(output)
+    return torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+        tensors=(output,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=tuple(inputs),
+        allow_unreachable=True,
+        accumulate_grad=accumulate,
+    )
+
+
 @dataclass
 class DeferredGrad:
     """One weight-gradient contribution: ``compute()`` returns the gradient of ``param``.

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ir import Op, OpKind, Schedule
-from .lowering import matching_op
+from .ir import Op, OpKind, Schedule, matching_op
 
 # What may run before the gate: forward compute and the activations it sends and receives.
 FORWARD_SIDE = frozenset({OpKind.F, OpKind.SEND_F, OpKind.RECV_F})

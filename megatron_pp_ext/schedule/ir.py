@@ -141,6 +141,19 @@ def parse_op(token: str) -> Op:
     )
 
 
+def matching_op(op: Op) -> Op:
+    """The op on the peer rank that pairs with a comm op (SEND_F s <-> RECV_F s+1, ...)."""
+    if op.kind == OpKind.SEND_F:
+        return Op(OpKind.RECV_F, op.stage + 1, op.microbatch, op.slice)
+    if op.kind == OpKind.RECV_F:
+        return Op(OpKind.SEND_F, op.stage - 1, op.microbatch, op.slice)
+    if op.kind == OpKind.SEND_B:
+        return Op(OpKind.RECV_B, op.stage - 1, op.microbatch, op.slice)
+    if op.kind == OpKind.RECV_B:
+        return Op(OpKind.SEND_B, op.stage + 1, op.microbatch, op.slice)
+    raise ValueError(f"{op} is not a communication op")
+
+
 PLACEMENT_STYLES = ("interleaved", "vshape")
 
 

@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection
 
 from .ir import Op, OpKind, Schedule
+from .message_order import order_messages as in_one_order
 
 Pass = Callable[[Schedule], Schedule]
 Unit = tuple[int, int, int]  # (stage, microbatch, slice)
@@ -125,8 +126,6 @@ def offload_pass(units: Collection[Unit] | None = None, lookahead: int = 1) -> P
 def order_messages(schedule: Schedule) -> Schedule:
     """Post the RECVs and issue the vocabulary collectives in one global order of the step's
     messages (``message_order.py``: NCCL's in-order completion cannot hang it then)."""
-    from .message_order import order_messages as in_one_order  # it replays the schedule: simulate imports us
-
     return in_one_order(schedule)
 
 
@@ -141,16 +140,3 @@ def lower(schedule: Schedule, passes: tuple[Pass, ...] = DEFAULT_PASSES) -> Sche
     for lowering_pass in passes:
         schedule = lowering_pass(schedule)
     return schedule
-
-
-def matching_op(op: Op) -> Op:
-    """The op on the peer rank that pairs with a comm op (SEND_F s <-> RECV_F s+1, ...)."""
-    if op.kind == OpKind.SEND_F:
-        return Op(OpKind.RECV_F, op.stage + 1, op.microbatch, op.slice)
-    if op.kind == OpKind.RECV_F:
-        return Op(OpKind.SEND_F, op.stage - 1, op.microbatch, op.slice)
-    if op.kind == OpKind.SEND_B:
-        return Op(OpKind.RECV_B, op.stage - 1, op.microbatch, op.slice)
-    if op.kind == OpKind.RECV_B:
-        return Op(OpKind.SEND_B, op.stage + 1, op.microbatch, op.slice)
-    raise ValueError(f"{op} is not a communication op")

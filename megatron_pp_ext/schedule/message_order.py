@@ -9,7 +9,7 @@ at k = 2p or the vocabulary collectives. What covers every schedule: if every ra
 messages in the order of one global list, the first message of that list not yet completed has
 both ends at the head of their queues, so it completes, whatever the timing.
 
-The list comes from a replay of the schedule (``simulate.replay``, uniform costs): a message's
+The list comes from a replay of the schedule (``replay.replay``, uniform costs): a message's
 place is the time its SEND goes out, a collective's the time its last member issues it. Each rank
 keeps its compute ops and sends where they are (a send right after the op that produces it) and
 moves each RECV and each vocabulary collective to its place in the list:
@@ -33,7 +33,7 @@ from typing import Any
 
 from .costs import UniformCosts
 from .ir import COLLECTIVE_KINDS, Op, OpKind, Schedule
-from .simulate import message_key, replay
+from .replay import message_key, replay
 from .vocab import CHANNELS, Layout, default_costs
 
 SENDS = frozenset({OpKind.SEND_F, OpKind.SEND_B})

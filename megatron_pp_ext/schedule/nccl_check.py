@@ -54,7 +54,7 @@ from typing import Any
 from .ir import BACKWARD_KINDS, COMM_KINDS, Op, OpKind, Schedule, format_op
 from .lowering import lower
 from .nccl_replay import CommOp, Condition, Program, Replay, Thread, Unit
-from .simulate import message_key as simulate_message_key
+from .replay import message_key as simulate_message_key
 from .vocab import Layout
 
 VOCAB_GROUPS: dict[OpKind, str] = {

@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from .ir import OpKind
-from .simulate import Event, SimResult
+from .replay import Event, SimResult
 
 KIND_COLOURS = {
     OpKind.F: "#3f7fc8",

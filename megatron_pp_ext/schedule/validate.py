@@ -27,8 +27,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from .deps import Unit, compute_dependencies, describe
-from .ir import COMPUTE_KINDS, COPY_KINDS, Op, OpKind, Schedule, format_op
-from .lowering import matching_op
+from .ir import COMPUTE_KINDS, COPY_KINDS, Op, OpKind, Schedule, format_op, matching_op
 from .vocab import CHANNELS, Layout
 
 
