@@ -13,7 +13,9 @@ its W still holds after B) under its own layout. Three kinds of check:
   predict every rank's peak to within a few p2p messages: the probes leave out the messages the
   runtime holds in flight (a posted receive, an output being sent, an incoming gradient), which is
   0 to 2 hidden-state messages in practice (s/(t if SP) x b x h x 4 bytes each). The band is
-  [calibrated - 1 message, calibrated + 3 messages].
+  [calibrated - 1 message, calibrated + 3 messages]; + 4 for V-Half, whose pipeline rank 1 (both
+  legs of the V around its tip) was measured once in 7 runs holding 4 (its order since issue 25:
+  the paper's, which keeps that rank busiest).
 * **TP=2 over TP=1, analytic.** The ratio of the measured peaks must be the simulator's ratio for
   the model shape (SP off: only the inside-TP part halves, 0.654-0.667 here; SP on: all of it,
   0.5) within 7%. Measured deviations are -1.0 to +4.4% over several runs: the CPU extras and
@@ -41,6 +43,7 @@ from dist_utils import check_ok, run_ranks
 from runtime_case import MICRO_BATCH, forward_step, make_batches
 
 SCHEDULES = ["1f1b", "zb-h1", "v-half"]
+IN_FLIGHT = {"v-half": 4}  # messages a rank may hold beyond the probes (the module docstring)
 PP, TP, MICROBATCHES, LAYERS, SEQ, HIDDEN = 2, 2, 4, 4, 32, 32
 LAYOUTS = [False, True]  # sequence parallel off, on
 RATIO_TOLERANCE = 0.07
@@ -192,11 +195,13 @@ def test_tp2_peak_matches_calibrated_simulator(measured: dict, name: str, sp: bo
     tp2 = measured["tp2"]
     want = calibrated_peaks(name, tp2[0]["probes"][(sp, _schedule(name).num_stages)])
     message = message_bytes(sp)
+    in_flight = IN_FLIGHT.get(name, 3)
     for rank, (pp_rank, got) in enumerate(_peaks(tp2, sp, name)):
         excess = got - want[pp_rank]
-        assert -message <= excess <= 3 * message, (
+        assert -message <= excess <= in_flight * message, (
             f"{name} SP={sp} rank {rank} (pp rank {pp_rank}): measured {got} B, calibrated simulator "
-            f"{want[pp_rank]:.0f} B: {excess / message:+.1f} messages of {message} B (allowed -1..+3)"
+            f"{want[pp_rank]:.0f} B: {excess / message:+.1f} messages of {message} B "
+            f"(allowed -1..+{in_flight})"
         )
 
 

@@ -28,12 +28,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_pp_ext"
 # (schedule, pipeline rank) -> (TP=1 measured, TP=2 measured, TP=2 simulator analytic), bytes.
 TINY = ModelShape("tiny-tp", 4, 32, 4, 2, 8, 64, 64, bytes_per_element=4)
 MEASURED = {
-    ("1f1b", 0): (695296, 356480, 216064),
-    ("1f1b", 1): (380736, 194752, 124416),
-    ("zb-h1", 0): (695296, 356480, 216064),
-    ("zb-h1", 1): (618944, 314176, 243200),
-    ("v-half", 0): (729408, 378240, 232448),
-    ("v-half", 1): (694272, 355328, 216064),
+    ("1f1b", 0): (719872, 364672, 216064),
+    ("1f1b", 1): (397120, 202944, 124416),
+    ("zb-h1", 0): (711680, 364672, 216064),
+    ("zb-h1", 1): (627136, 322368, 243200),
+    ("v-half", 0): (753984, 386432, 243968),
+    ("v-half", 1): (718848, 367616, 216064),
 }
 
 
@@ -50,13 +50,14 @@ def planner_peaks(name: str, tp: int) -> list[float]:
 def test_activation_accounting_matches_the_measured_tp2_pp2_peaks(name: str) -> None:
     """The planner counts activations as the simulator's analytic model does (exactly, so the
     documented numbers), and its TP2/TP1 ratio is the measured one within the 7% that
-    test_memory_tp.py allows; the absolute gap is the documented fp32-on-CPU extras (1.28-1.65x)."""
+    test_memory_tp.py allows; the absolute gap is the documented fp32-on-CPU extras and messages in
+    flight (1.33-1.70x)."""
     tp1, tp2 = planner_peaks(name, 1), planner_peaks(name, 2)
     for rank in range(2):
         measured_tp1, measured_tp2, analytic_tp2 = MEASURED[(name, rank)]
         assert tp2[rank] == analytic_tp2
         assert tp2[rank] / tp1[rank] == pytest.approx(measured_tp2 / measured_tp1, rel=0.07)
-        assert 1.2 < measured_tp2 / tp2[rank] < 1.7
+        assert 1.2 < measured_tp2 / tp2[rank] < 1.75  # V-Half's rank 1: 1.70, messages in flight
 
 
 def test_static_memory_of_a_plan_is_the_memory_model_s() -> None:

@@ -57,6 +57,15 @@ MEGATRON_FLAGS = {
 }
 
 
+def in_user_flags(message: str, flags: dict[str, str]) -> str:
+    """``message`` with the schedule generator's flag names (``--slices``, ``--vpp``) written as
+    the user's command line spells them (``flags``; names only, not descriptions)."""
+    for ours, theirs in flags.items():
+        if " " not in theirs:
+            message = re.sub(rf"(?<![\w-]){re.escape(ours)}(?![\w-])", theirs, message)
+    return message
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """What the flags choose. ``chunks`` is chunks (virtual stages) per rank; None: the
@@ -120,7 +129,7 @@ class PipelineOptions:
                 memory_limit=self.memory_limit,
             )
         except RequestError as error:
-            raise OptionError(str(error), flags.get(error.flag, error.flag)) from None
+            raise OptionError(in_user_flags(str(error), flags), flags.get(error.flag, error.flag)) from None
         if self.slice_partition:
             schedule.meta["partition"] = self.slice_partition
         self.check_redistribution(schedule, flags)
