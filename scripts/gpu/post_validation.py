@@ -10,9 +10,10 @@ run megatron-core's optimizer (fp32 main parameters under bf16) and the post-val
 expected; the stated tolerance is a relative difference of at most 5 % at every iteration, and
 the script prints how far and from which iteration the two runs differ.
 
-The pipeline size is 1 (one GPU, and train runs NCCL, one rank per GPU), where post-validation's
-chain has one rank and every step is settled at once: this checks the GPU optimizer paths, not
-the optimistic step. When train has ``--distributed-backend`` the runs use 2 ranks sharing the GPU over gloo (zb-h2).
+Without ``train --distributed-backend`` (an older checkout) the pipeline size is 1 (one GPU, NCCL,
+one rank per GPU), where post-validation's chain has one rank and every step is settled at once:
+that checks the GPU optimizer paths, not the optimistic step. With it the runs use 2 ranks sharing
+the GPU over gloo (zb-h2).
 """
 
 from __future__ import annotations

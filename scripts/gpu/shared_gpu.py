@@ -47,7 +47,8 @@ def main() -> None:
                     not_run.append(f"{name}@{pp}")
                     continue
                 sliced = ["--pp-seq-slices", "4"] if name.startswith(("seq1f1b", "slimpipe")) else []
-                flags = [*base, "--pp", str(pp), "--distributed-backend", "gloo", "--pp-schedule", name, *sliced]
+                shared = ["--distributed-backend", "gloo"]  # the ranks share the one GPU
+                flags = [*base, "--pp", str(pp), *shared, "--pp-schedule", name, *sliced]
                 code, rows, error = run_train(flags, directory / f"{name}-{pp}.jsonl")
                 losses = [row["loss"] for row in rows]
                 if code != 0 or len(losses) != len(reference):
