@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,20 @@ def _entry(local_rank: int, world_size: int, port: int, worker: Callable[..., An
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
     worker(local_rank, world_size, local_rank, *args)
+
+
+def run_for_results(worker: Callable[..., Any], world_size: int, settings_for: Callable[[str], Any]) -> str:
+    """:func:`run` for a job whose rank 0 writes its results to a file: ``settings_for(path)``
+    builds the workers' settings around that path; returns what rank 0 wrote ("" in another
+    rank's process under torchrun or srun, where rank 0 reports)."""
+    handle, output = tempfile.mkstemp(prefix="megatron-pp-ext-", suffix=".json")
+    os.close(handle)
+    try:
+        run(worker, world_size, settings_for(output))
+        with open(output) as results:
+            return results.read()
+    finally:
+        os.unlink(output)
 
 
 class WorkerDied(Exception):

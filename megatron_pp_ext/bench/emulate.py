@@ -60,11 +60,10 @@ A step's time is the slowest rank's, each from its exit of a barrier to the end 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -544,28 +543,21 @@ def run_emulate(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     costs = parse_emulate(args.emulate, args.emulate_skew, args.pp)
     slices = getattr(args, "pp_seq_slices", DEFAULT_SLICES)
     jobs = [plan_job(name, args.pp, args.microbatches, costs, args.pp_emulate_nccl, slices) for name in names]
-    handle, output = tempfile.mkstemp(prefix="megatron-pp-ext-emulate-", suffix=".json")
-    os.close(handle)
-    try:
-        settings = EmulateSettings(
-            pp=args.pp,
-            microbatches=args.microbatches,
-            iterations=args.iterations,
-            warmup=args.warmup,
-            costs=costs,
-            jobs=jobs,
-            output=output,
-            timeout=args.timeout,
-            emulate_nccl=bool(args.pp_emulate_nccl),
-            seed=args.seed,
-            trace=bool(getattr(args, "emulate_trace", False)),
-            slices=slices,
-        )
-        launch.run(worker, args.pp, settings)
-        with open(output) as handle_in:
-            text = handle_in.read()
-    finally:
-        os.unlink(output)
+    settings = EmulateSettings(
+        pp=args.pp,
+        microbatches=args.microbatches,
+        iterations=args.iterations,
+        warmup=args.warmup,
+        costs=costs,
+        jobs=jobs,
+        output="",  # run_for_results gives it a file
+        timeout=args.timeout,
+        emulate_nccl=bool(args.pp_emulate_nccl),
+        seed=args.seed,
+        trace=bool(getattr(args, "emulate_trace", False)),
+        slices=slices,
+    )
+    text = launch.run_for_results(worker, args.pp, lambda path: dataclasses.replace(settings, output=path))
     if not text:  # another rank's process under torchrun/srun: rank 0 reports
         return {}
     return results_of(settings, json.loads(text))

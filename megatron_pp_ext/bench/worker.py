@@ -179,9 +179,7 @@ def build_jobs(row: Row, context: Context) -> tuple[dict[str, Any], dict[str, st
             context.device,
             context.group,
         )
-    pair = row.megatron
-    if s.against == "megatron":
-        pair, _ = megatron_pair(row, context)
+    pair = megatron_pair(row, context)[0] if s.against == "megatron" else None
     if pair is not None:
         builders["megatron"] = lambda: MegatronJob(
             pair,

@@ -13,9 +13,8 @@ first iteration's loss and gradient norm (printed as a check line).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
-import tempfile
 
 from ..bench.emulate import add_emulate_arguments
 from ..bench.job import (
@@ -149,29 +148,22 @@ def run(args: argparse.Namespace) -> int:
     world = launch.launcher_world()
     if world is not None and world[1] != args.pp:
         raise UsageError("--pp", f"the launcher started {world[1]} processes for --pp {args.pp}")
-    handle, output = tempfile.mkstemp(prefix="megatron-pp-ext-bench-", suffix=".json")
-    os.close(handle)
-    try:
-        settings = BenchSettings(
-            pp=args.pp,
-            microbatches=args.microbatches,
-            iterations=args.iterations,
-            warmup=args.warmup,
-            model_size=args.model_size,
-            rows=rows,
-            output=output,
-            seed=args.seed,
-            timeout=args.timeout,
-            quiet=args.json,
-            emulate_nccl=args.pp_emulate_nccl,
-            against=args.against,
-            count_calls=args.count_calls,
-        )
-        launch.run(worker, args.pp, settings)
-        with open(output) as handle_in:
-            text = handle_in.read()
-    finally:
-        os.unlink(output)
+    settings = BenchSettings(
+        pp=args.pp,
+        microbatches=args.microbatches,
+        iterations=args.iterations,
+        warmup=args.warmup,
+        model_size=args.model_size,
+        rows=rows,
+        output="",  # run_for_results gives it a file
+        seed=args.seed,
+        timeout=args.timeout,
+        quiet=args.json,
+        emulate_nccl=args.pp_emulate_nccl,
+        against=args.against,
+        count_calls=args.count_calls,
+    )
+    text = launch.run_for_results(worker, args.pp, lambda path: dataclasses.replace(settings, output=path))
     if not text:  # another rank's process under torchrun/srun: rank 0 reports
         return 0
     results = json.loads(text)
