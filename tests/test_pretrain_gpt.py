@@ -169,7 +169,7 @@ CASES = [
     ([*MASK, *PP2, "--pp-schedule", "seq1f1b", "--pp-seq-slices", "2"], "--no-create-attention-mask"),
     ([*TINY, *PP2, "--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-1"], None),
     ([*TIED, *PP2, "--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-1"], "--untie-embeddings"),
-    ([*TINY, *PP2, *CP2, "--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-2"], "--context-parallel"),
+    ([*TINY, *PP2, *CP2, "--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-2"], None),  # as train
     (
         [*TINY, *PP2, "--pp-schedule", "seq1f1b", "--pp-seq-slices", "2", "--pp-vocab-parallel", "vocab-1"],
         "--calculate-per-token-loss",
@@ -450,6 +450,18 @@ def test_train_step_context_parallel_slices_equal_1f1b(
     assert [rank["losses"] == [{}, {}] for rank in run] == [True, True, False, False]  # pp rank 1 reports
     assert run[2]["losses"] == run[3]["losses"], "the CP ranks of the last stage report one loss"
     assert_same_training(run, one_f_one_b, same_sums=False)  # CP ranks hold the same weights
+
+
+@pytest.mark.slow
+def test_train_step_vocab_parallel_with_context_parallelism_equals_1f1b(
+    patched_tree: Path, tmp_path: Path, one_f_one_b: list[dict]
+) -> None:
+    """CP2 x PP2, V-Half with --pp-vocab-parallel vocab-2, through Megatron-LM's get_model and
+    train_step: each CP rank embeds, and runs S and T on, its two pieces of every sequence, as
+    ``train`` does (tests/test_vocab_parallel_exact.py); 1F1B's losses and weights at CP 1."""
+    flags = [*PP2, *CP2, *VP2, "--pp-schedule", "v-half", "--pp-vocab-parallel", "vocab-2"]
+    run = run_driver(patched_tree, tmp_path, "train", 4, flags)
+    assert_same_training(run, one_f_one_b, same_sums=False)
 
 
 @pytest.fixture(scope="module")

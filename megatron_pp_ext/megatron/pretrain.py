@@ -197,7 +197,6 @@ def _check_vocab_args(args: Any) -> None:
             not args.untie_embeddings_and_output_weights,
             "tied embeddings: add --untie-embeddings-and-output-weights",
         ),
-        ((getattr(args, "context_parallel_size", None) or 1) > 1, "--context-parallel-size > 1: drop one"),
         (
             getattr(args, "position_embedding_type", "rope") == "learned_absolute",
             "learned absolute positions (their table stays on the first stage, untested): use "
