@@ -372,7 +372,6 @@ def check(settings: TrainSettings) -> None:
     _check_parallel(settings, model)
     _check_backend(settings)
     _check_checkpoints(settings)
-    _check_vocab(settings)
     flags = dict(TRAIN_FLAGS)
     if settings.global_batch_size is not None:
         flags["--microbatches"] = "--global-batch-size"
@@ -403,22 +402,6 @@ def check(settings: TrainSettings) -> None:
                 f"slices of {list(lengths)} tokens cannot be split over {settings.tp} tensor-parallel "
                 "ranks (sequence parallelism): use fewer slices or a longer --seq-length",
             )
-
-
-def _check_vocab(settings: TrainSettings) -> None:
-    """``--pp-vocab-parallel`` with what the runtime runs it with (exact against the run without):
-    sequence slices only with per-token loss (TP, sequence, context and data parallelism,
-    offload, checkpoints and post-validation are fine)."""
-    variant = settings.pipeline.vocab_parallel
-    if variant == "none":
-        return
-    if settings.pipeline.slices > 1 and not settings.pipeline.calculate_per_token_loss:
-        raise UsageError(
-            "--pp-vocab-parallel",
-            f"{variant} with sequence slices needs --calculate-per-token-loss (a slice's loss "
-            "gradient needs the whole microbatch's token count otherwise): add it, or use an "
-            "unsliced schedule",
-        )
 
 
 def _check_parallel(settings: TrainSettings, model: Any) -> None:

@@ -153,7 +153,8 @@ class PipelineOptions:
             )
         if schedule.slices > 1 and not self.calculate_per_token_loss:
             raise OptionError(
-                f"runs with sequence slices ({schedule.name} with {schedule.slices} slices) only with "
+                f"{self.vocab_parallel} runs with sequence slices ({schedule.name} with {schedule.slices} "
+                "slices) only with "
                 "--calculate-per-token-loss (a slice's loss gradient needs the whole microbatch's token "
                 "count otherwise): add it, use an unsliced schedule, or --pp-vocab-parallel none",
                 VOCAB_FLAG,
