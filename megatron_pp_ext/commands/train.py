@@ -32,19 +32,13 @@ from typing import Any
 
 import yaml
 
-from ..megatron.hook import OptionError, PipelineOptions, add_args
+from ..megatron.hook import MEGATRON_FLAGS, OptionError, PipelineOptions, add_args
 from ..stop import StopRequest
 from .errors import JobError, UsageError
 
-# The generator's flag names as this command spells them (Megatron's names where it has one).
-TRAIN_FLAGS = {
-    "--schedule": "--pp-schedule",
-    "--vpp": "--pp-chunks",
-    "--slices": "--pp-seq-slices",
-    "--microbatches": "--microbatches",
-    "--pp": "--pipeline-model-parallel-size",
-    "--memory-limit": "--pp-memory-limit",
-}
+# The generator's flag names as this command spells them: pretrain_gpt.py's, except that train
+# also takes the number of microbatches itself (--global-batch-size when given: check()).
+TRAIN_FLAGS = {**MEGATRON_FLAGS, "--microbatches": "--microbatches"}
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = "tiny-llama"
