@@ -52,6 +52,7 @@ CASES: list[tuple[str, str]] = [
     ("train --pp-p2p-timeout 0", "--pp-p2p-timeout"),
     ("train --transformer-impl transformer_engine", "--transformer-impl"),
     ("train --distributed-backend nccl", "--distributed-backend"),
+    ("train --log-interval 0", "--log-interval"),
     ("simulate --schedule no-such --pp 4 --microbatches 8", "--schedule"),
     ("simulate --schedule 1f1b --pp 0 --microbatches 4", "--pp"),
     ("simulate --schedule 1f1b --pp 4 --microbatches 0", "--microbatches"),

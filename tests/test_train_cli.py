@@ -129,6 +129,35 @@ def test_tensor_sequence_context_and_data_parallel_runs_give_the_pipeline_only_l
 
 
 @pytest.mark.slow
+def test_tensorboard_logs_have_megatron_lm_tags_and_every_rank(tmp_path) -> None:
+    """--tensorboard-dir (Megatron's flag): per iteration Megatron-LM's tags with the values the
+    metrics file has; at the end each pipeline rank's bubble and peak activation memory. And
+    --log-interval (Megatron's): one Megatron-LM-style line every N iterations."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logs, metrics = tmp_path / "tb", tmp_path / "metrics.jsonl"
+    done = train(
+        "--train-iters", "3", "--tensorboard-dir", str(logs), "--metrics", str(metrics), "--log-interval", "2"
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if "lm loss:" in line]
+    assert len(lines) == 1 and " iteration        2/       3 | consumed samples:" in lines[0], lines
+    events = EventAccumulator(str(logs))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    megatron_tags = {"lm loss", "learning-rate", "grad-norm", "iteration-time", "batch-size"}
+    assert megatron_tags | {f"{tag} vs samples" for tag in megatron_tags - {"iteration-time"}} <= tags
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for tag, key in (("lm loss", "loss"), ("grad-norm", "grad_norm"), ("iteration-time", "step_time")):
+        logged = [(event.step, event.value) for event in events.Scalars(tag)]
+        assert logged == [(row["iteration"], pytest.approx(row[key], rel=1e-6)) for row in rows], tag
+    for rank in range(4):  # the default config's pipeline
+        for tag in ("pipeline-bubble", "mem-activation-peak-mib"):
+            (last,) = events.Scalars(f"{tag}/rank {rank}")
+            assert last.step == 3 and last.value >= 0
+
+
+@pytest.mark.slow
 def test_main_job_trains_and_reports(tmp_path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     done = train("--iterations", "12", "--metrics", str(metrics), timeout=600)

@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from ..logs import Logs
 from ..megatron.hook import MEGATRON_FLAGS, OptionError, PipelineOptions, add_args
 from ..stop import StopRequest
 from .errors import JobError, UsageError
@@ -66,9 +67,10 @@ class TrainSettings:
     weight_decay: float = 0.01
     clip_grad: float = 1.0
     seed: int = 1234
-    log_interval: int = 5
+    log_interval: int = 5  # Megatron's --log-interval: a Megatron-style line every N iterations
     data: str | None = None
     metrics: str | None = None
+    tensorboard_dir: str | None = None  # Megatron's --tensorboard-dir (megatron_pp_ext/logs.py)
     timeout: float = 300.0
     save: str | None = None  # checkpoint directory (Megatron's --save)
     save_interval: int | None = None  # iterations between saves (and one at the end)
@@ -179,6 +181,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, help="random seed (weights and data)")
     parser.add_argument("--data", help="a text file to train on (default: Python stdlib docstrings)")
     parser.add_argument("--metrics", help="write per-iteration metrics here as JSON lines")
+    parser.add_argument(
+        "--log-interval",
+        type=int,
+        help="Megatron's: every N iterations one line as Megatron-LM prints it (iteration, consumed "
+        "samples, time per iteration, learning rate, batch size, lm loss, grad norm), above the bar",
+    )
+    parser.add_argument(
+        "--tensorboard-dir",
+        help="Megatron's: TensorBoard logs here, with Megatron-LM's tags (lm loss, learning-rate, "
+        "grad-norm, iteration-time, batch-size) and each rank's bubble and peak memory at the end",
+    )
     ckpt = parser.add_argument_group("checkpoints (Megatron's flags)")
     ckpt.add_argument("--save", help="save checkpoints to this directory (iter_XXXXXXX, atomically)")
     ckpt.add_argument("--save-interval", type=int, help="iterations between checkpoints (and one at the end)")
@@ -244,6 +257,7 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         "lr": args.lr,
         "clip_grad": args.clip_grad,
         "seed": args.seed,
+        "log_interval": args.log_interval,
     }
     if args.global_batch_size is not None and args.microbatches is None:
         training.pop("microbatches", None)  # the global batch size decides
@@ -272,6 +286,7 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         model=model,
         data=args.data,
         metrics=args.metrics,
+        tensorboard_dir=args.tensorboard_dir,
         pipeline=options,
         timeout=options.p2p_timeout,
         save=args.save,
@@ -359,8 +374,15 @@ def check(settings: TrainSettings) -> None:
     if settings.data is not None and not Path(settings.data).is_file():
         what = "a directory" if Path(settings.data).is_dir() else "no such file"
         raise UsageError("--data", f"{settings.data}: {what}; give a text file to train on, or leave it out")
+    if settings.tensorboard_dir is not None:
+        from .. import logs
+
+        if not logs.available():
+            raise UsageError("--tensorboard-dir", "needs the tensorboard package: pip install tensorboard")
     if settings.post_validation_chain != "measured" and not settings.post_validation:
         raise UsageError("--pp-post-validation-chain", "needs --pp-post-validation")
+    if settings.log_interval < 1:
+        raise UsageError("--log-interval", f"must be at least 1, got {settings.log_interval}")
     if settings.clip_grad < 0:
         raise UsageError("--clip-grad", f"must be 0 (no clipping) or positive, got {settings.clip_grad}")
     _check_parallel(settings, model)
@@ -844,6 +866,7 @@ class TrainJob:
             self.is_loss_rank and self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
         )
         self.shows = shows and parallel_state.get_context_parallel_rank() == 0
+        self.logs = Logs(None)  # the loop opens --tensorboard-dir on the rank that shows the loss
         # where the run is: what a checkpoint records besides the tensors
         self.position = {"iteration": 0, "consumed_train_samples": 0, "skipped_iterations": 0}
         self.step_times: list[float] = []
@@ -914,6 +937,7 @@ class TrainJob:
         metrics_file = (
             open(settings.metrics, "a" if first > 1 else "w") if settings.metrics and self.shows else None
         )
+        self.logs = Logs(settings.tensorboard_dir if self.shows else None)
         rows: list[dict[str, Any]] = []
         unsettled = None  # post-validation: the last row, until its step's global check is in
         chain_timings: list[float] = []  # post-validation: this rank's iteration times, for the chain
@@ -964,6 +988,9 @@ class TrainJob:
             loss = self._global_loss(losses) if self.is_loss_rank else None
             row = {
                 "iteration": iteration,
+                "samples": self.position["consumed_train_samples"],
+                "learning_rate": learning_rate(settings, iteration),
+                "batch_size": global_batch,
                 "loss": loss if self.shows else None,
                 "step_time": elapsed,
                 "wall_time": time.perf_counter() - began,  # this rank's clock since the first iteration
@@ -996,6 +1023,7 @@ class TrainJob:
         progress.close()
         if metrics_file:
             metrics_file.close()
+        self.logs.close()
         return rows
 
     def _set_chain(self, timings: list[float], progress: Any) -> None:
@@ -1060,10 +1088,21 @@ class TrainJob:
                 f"iteration {iteration}: optimizer step skipped: gradient norm {step.grad_norm} "
                 f"(NaN/inf), loss {loss}; {self.position['skipped_iterations']} skipped so far"
             )
+        if iteration % self.settings.log_interval == 0:
+            progress.write(log_line(row, self.settings.iterations))
         progress.update(1)
         if metrics_file:
             metrics_file.write(json.dumps({key: row[key] for key in METRICS}) + "\n")
             metrics_file.flush()
+        self.logs.iteration(
+            iteration,
+            row["samples"],
+            loss,
+            row["learning_rate"],
+            step.grad_norm,
+            row["step_time"],
+            row["batch_size"],
+        )
 
     def _stopped(self, iteration: int, saved: bool, progress: Any) -> bool:
         """At an iteration's end: whether a signal asked any rank to stop (all ranks agree, one
@@ -1124,7 +1163,7 @@ class TrainJob:
 
     def report(self) -> None:
         if self.step_times:
-            _report(
+            rows = _report(
                 self.rank,
                 self.settings,
                 self.schedule,
@@ -1136,6 +1175,10 @@ class TrainJob:
                 self.attention,
                 self.communicators,
             )
+            if self.rank == 0 and self.settings.tensorboard_dir is not None:
+                logs = Logs(self.settings.tensorboard_dir)
+                logs.ranks(self.position["iteration"], rows)
+                logs.close()
 
     def close(self) -> None:
         from megatron.core import parallel_state
@@ -1216,6 +1259,20 @@ def _scheduler_state(settings: TrainSettings) -> dict[str, Any]:
     }
 
 
+def log_line(row: dict[str, Any], iterations: int) -> str:
+    """An iteration as Megatron-LM's training log prints it (the fields ``train`` has)."""
+    return (
+        f" iteration {row['iteration']:8d}/{iterations:8d} |"
+        f" consumed samples: {row['samples']:12d} |"
+        f" elapsed time per iteration (ms): {row['step_time'] * 1000:.1f} |"
+        f" learning rate: {row['learning_rate']:.6E} |"
+        f" global batch size: {row['batch_size']:5d} |"
+        f" lm loss: {row['loss']:.6E} |"
+        f" grad norm: {row['grad_norm']:.3f} |"
+        f" number of skipped iterations: {int(row['skipped']):3d} |"
+    )
+
+
 def learning_rate(settings: TrainSettings, iteration: int) -> float:
     """Linear warm-up, then cosine decay to ``min_lr``."""
     if iteration <= settings.warmup:
@@ -1249,7 +1306,8 @@ def _report(
     device: Any,
     attention: tuple[int, int, int] | None = None,
     communicators: tuple[int, float, bool] | None = None,
-) -> None:
+) -> list[dict[str, Any]]:
+    """Print every rank's steady-state figures on rank 0; return them (every rank gets all)."""
     import torch
     import torch.distributed as dist
 
@@ -1299,3 +1357,4 @@ def _report(
                 f"peak activation {item['peak_activation_mib']:.2f} MiB{moved}{gpu}"
             )
         sys.stdout.flush()
+    return rows
