@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from ..logs import Logs
+from ..megatron import datasets
 from ..megatron.hook import MEGATRON_FLAGS, OptionError, PipelineOptions, add_args
 from ..stop import StopRequest
 from .errors import JobError, UsageError
@@ -68,7 +69,9 @@ class TrainSettings:
     clip_grad: float = 1.0
     seed: int = 1234
     log_interval: int = 5  # Megatron's --log-interval: a Megatron-style line every N iterations
-    data: str | None = None
+    data: str | None = None  # byte-level text (data.py); None: the stdlib docstrings
+    # Megatron's data flags: megatron-core's datasets and tokenizer (megatron/datasets.py)
+    dataset: datasets.DataOptions = field(default_factory=datasets.DataOptions)
     metrics: str | None = None
     tensorboard_dir: str | None = None  # Megatron's --tensorboard-dir (megatron_pp_ext/logs.py)
     timeout: float = 300.0
@@ -179,7 +182,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--verbose", action="store_true", help="also show megatron-core's start-up warnings (quiet.py)"
     )
     parser.add_argument("--seed", type=int, help="random seed (weights and data)")
-    parser.add_argument("--data", help="a text file to train on (default: Python stdlib docstrings)")
+    parser.add_argument(
+        "--data", help="a byte-level text file to train on (default: Python stdlib docstrings)"
+    )
+    data = parser.add_argument_group("megatron-core's datasets (Megatron's flags)")
+    data.add_argument(
+        "--data-path",
+        nargs="+",
+        help="indexed .bin/.idx dataset prefixes, as Megatron takes them: PREFIX ... or weighted "
+        "W1 PREFIX1 W2 PREFIX2 ... (megatron-core's GPTDataset, blended)",
+    )
+    data.add_argument(
+        "--split", help=f"train,valid,test weights over --data-path (default {datasets.DEFAULT_SPLIT})"
+    )
+    data.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset")
+    data.add_argument(
+        "--tokenizer-type",
+        help="the tokenizer of --data-path/--mock-data: NullTokenizer (ids 0..--vocab-size - 1, "
+        "end of document --vocab-size)",
+    )
+    data.add_argument("--tokenizer-model", help="a tokenizer model (not read by NullTokenizer)")
+    data.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary before end-of-document")
+    data.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the model's vocabulary to a multiple of this x TP, as Megatron-LM (default 128)",
+    )
     parser.add_argument("--metrics", help="write per-iteration metrics here as JSON lines")
     parser.add_argument(
         "--log-interval",
@@ -282,9 +311,25 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
     unknown = set(training) - {f.name for f in dataclasses.fields(TrainSettings)}
     if unknown:
         raise UsageError("--config", f"{path}: unknown training keys {sorted(unknown)}")
+    dataset = datasets.DataOptions(
+        data_path=tuple(args.data_path) if args.data_path is not None else None,
+        split=args.split,
+        mock_data=args.mock_data,
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+    )
+    try:
+        padded_vocab = datasets.check(dataset, args.data, int(training.get("tp", 1)))
+    except OptionError as error:
+        raise UsageError(error.flag, error.reason) from None
+    if padded_vocab is not None:  # the tokenizer's vocabulary, padded as Megatron-LM pads it
+        model["vocab_size"] = padded_vocab
     return TrainSettings(
         model=model,
         data=args.data,
+        dataset=dataset,
         metrics=args.metrics,
         tensorboard_dir=args.tensorboard_dir,
         pipeline=options,
@@ -907,6 +952,19 @@ class TrainJob:
         from .. import data
 
         settings = self.settings
+        if settings.dataset.megatron:  # megatron-core's datasets (megatron/datasets.py)
+            global_batch = settings.micro_batch_size * settings.microbatches * settings.dp
+            train, _, _ = datasets.build_datasets(
+                settings.dataset,
+                settings.seed,
+                self.model_config.seq_length,
+                [settings.iterations * global_batch, 0, 0],
+            )
+            first = self.position["consumed_train_samples"]
+            return [
+                datasets.microbatches(train, settings.micro_batch_size, settings.dp, self.dp_rank, first)
+                for _ in self.model
+            ]
         tokens = data.encode(data.load_text(settings.data))
         train_tokens, _ = data.split_train_valid(tokens)
         start = self.position["consumed_train_samples"] // settings.micro_batch_size

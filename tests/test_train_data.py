@@ -1,0 +1,109 @@
+"""``train`` on megatron-core's own datasets with Megatron's flags (megatron/datasets.py): an
+indexed .bin/.idx dataset written by megatron-core's IndexedDatasetBuilder, read through
+BlendedMegatronDatasetBuilder's GPTDataset with a NullTokenizer, and MockGPTDataset."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from exactness import check, train_tolerance
+
+VOCAB = 100  # NullTokenizer's --vocab-size: ids 0..99, end of document 100
+COMMON = ["--train-iters", "3", "--pp", "2", "--num-layers", "4", "--seq-length", "64"]
+
+
+def write_dataset(prefix: Path, documents: int = 300) -> None:
+    """Documents of consecutive ids (a random start, a random length), each ended by the
+    end-of-document id: learnable, so the loss falls in a few steps."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = numpy.random.default_rng(0)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.uint16)
+    for _ in range(documents):
+        length = int(rng.integers(20, 200))
+        ids = (int(rng.integers(0, VOCAB)) + numpy.arange(length)) % VOCAB
+        builder.add_document(numpy.append(ids, VOCAB), [length + 1])
+    builder.finalize(f"{prefix}.idx")
+
+
+def train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_pp_ext", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+
+
+def losses(metrics: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+@pytest.fixture
+def prefix(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus" / "text_document"
+    path.parent.mkdir()
+    write_dataset(path)
+    return path
+
+
+def test_samples_go_out_in_megatron_sampler_order(prefix: Path) -> None:
+    """DP rank d takes microbatches d, d + DP, ... of the one sample stream, from the samples a
+    resumed run consumed; the model's vocabulary is the tokenizer's padded as Megatron pads it."""
+    import torch
+
+    from megatron_pp_ext.megatron import datasets
+
+    options = datasets.DataOptions(
+        data_path=(str(prefix),), split="98,2,0", tokenizer_type="NullTokenizer", vocab_size=VOCAB
+    )
+    assert datasets.check(options, None, tp=1) == 128
+    assert datasets.check(options, None, tp=2) == 256
+    train_set, _, _ = datasets.build_datasets(options, seed=1234, seq_length=64, samples=[32, 0, 0])
+    whole = list(itertools.islice(datasets.microbatches(train_set, 2, 1, 0), 8))
+    shares = [list(itertools.islice(datasets.microbatches(train_set, 2, 2, rank), 4)) for rank in (0, 1)]
+    interleaved = [batch for pair in zip(*shares, strict=True) for batch in pair]
+    for got, want in zip(interleaved, whole, strict=True):
+        assert all(torch.equal(got[key], want[key]) for key in want)
+    assert set(whole[0]) == {"tokens", "labels", "loss_mask", "position_ids"}
+    assert whole[0]["tokens"].shape == (2, 64)
+    assert torch.equal(whole[0]["tokens"][:, 1:], whole[0]["labels"][:, :-1])
+    resumed = next(datasets.microbatches(train_set, 2, 2, 1, first_sample=8))
+    assert torch.equal(resumed["tokens"], whole[5]["tokens"])  # samples 10, 11
+
+
+@pytest.mark.slow
+def test_trains_on_an_indexed_dataset_and_dp2_gives_the_dp1_losses(prefix: Path, tmp_path: Path) -> None:
+    data = ["--data-path", str(prefix), "--split", "98,2,0", "--tokenizer-type", "NullTokenizer"]
+    data += ["--vocab-size", str(VOCAB), "--global-batch-size", "8"]
+    runs = {}
+    for name, layout in {"dp1": [], "dp2": ["--data-parallel-size", "2"]}.items():
+        metrics = tmp_path / f"{name}.jsonl"
+        done = train(*COMMON, *data, *layout, "--metrics", str(metrics))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = losses(metrics)
+    assert len(runs["dp1"]) == 3 and all(math.isfinite(loss) for loss in runs["dp1"])
+    assert runs["dp1"][-1] < runs["dp1"][0]
+    limit = train_tolerance(steps=3, global_batch=8, num_layers=4, seq_length=64)
+    for step, (got, want) in enumerate(zip(runs["dp2"], runs["dp1"], strict=True)):
+        check(abs(got - want) / abs(want), limit, f"dp2 step {step + 1} loss")
+
+
+@pytest.mark.slow
+def test_mock_data_trains(tmp_path: Path) -> None:
+    metrics = tmp_path / "mock.jsonl"
+    done = train(
+        *COMMON, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+        "--metrics", str(metrics),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(losses(metrics)) == 3 and all(math.isfinite(loss) for loss in losses(metrics))
