@@ -59,6 +59,8 @@ CASES: list[tuple[str, str]] = [
     ("train --mock-data --tokenizer-type NullTokenizer", "--vocab-size"),
     ("train --mock-data --tokenizer-type HuggingFaceTokenizer --tokenizer-model <tmp>", "--tokenizer-type"),
     ("train --split 98,2,0", "--split"),
+    ("train --eval-interval 0", "--eval-interval"),
+    ("train --eval-iters 5", "--eval-iters"),
     ("train --mock-data --split 98,2,0 --tokenizer-type NullTokenizer --vocab-size 100", "--split"),
     ("simulate --schedule no-such --pp 4 --microbatches 8", "--schedule"),
     ("simulate --schedule 1f1b --pp 0 --microbatches 4", "--pp"),

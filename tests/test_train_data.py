@@ -83,19 +83,36 @@ def test_samples_go_out_in_megatron_sampler_order(prefix: Path) -> None:
 
 @pytest.mark.slow
 def test_trains_on_an_indexed_dataset_and_dp2_gives_the_dp1_losses(prefix: Path, tmp_path: Path) -> None:
+    """PP2 and PP2 x DP2 on the same global batches, with a validation loss (--eval-interval,
+    forward only through the schedule) after iteration 2: the same training and validation losses."""
     data = ["--data-path", str(prefix), "--split", "98,2,0", "--tokenizer-type", "NullTokenizer"]
-    data += ["--vocab-size", str(VOCAB), "--global-batch-size", "8"]
-    runs = {}
+    data += [
+        "--vocab-size",
+        str(VOCAB),
+        "--global-batch-size",
+        "8",
+        "--eval-interval",
+        "2",
+        "--eval-iters",
+        "2",
+    ]
+    runs, validations = {}, {}
     for name, layout in {"dp1": [], "dp2": ["--data-parallel-size", "2"]}.items():
         metrics = tmp_path / f"{name}.jsonl"
         done = train(*COMMON, *data, *layout, "--metrics", str(metrics))
         assert done.returncode == 0, done.stderr[-3000:]
+        assert " validation loss at iteration 2 | lm loss value: " in done.stdout
         runs[name] = losses(metrics)
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        validations[name] = [row["validation_loss"] for row in rows if "validation_loss" in row]
     assert len(runs["dp1"]) == 3 and all(math.isfinite(loss) for loss in runs["dp1"])
     assert runs["dp1"][-1] < runs["dp1"][0]
+    assert len(validations["dp1"]) == 1 and math.isfinite(validations["dp1"][0])
     limit = train_tolerance(steps=3, global_batch=8, num_layers=4, seq_length=64)
     for step, (got, want) in enumerate(zip(runs["dp2"], runs["dp1"], strict=True)):
         check(abs(got - want) / abs(want), limit, f"dp2 step {step + 1} loss")
+    got, want = validations["dp2"][0], validations["dp1"][0]
+    check(abs(got - want) / abs(want), limit, "dp2 validation loss")
 
 
 @pytest.mark.slow

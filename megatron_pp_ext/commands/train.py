@@ -69,6 +69,8 @@ class TrainSettings:
     clip_grad: float = 1.0
     seed: int = 1234
     log_interval: int = 5  # Megatron's --log-interval: a Megatron-style line every N iterations
+    eval_interval: int | None = None  # Megatron's --eval-interval: a validation loss every N iterations
+    eval_iters: int = 100  # Megatron's --eval-iters: forward-only iterations per validation
     data: str | None = None  # byte-level text (data.py); None: the stdlib docstrings
     # Megatron's data flags: megatron-core's datasets and tokenizer (megatron/datasets.py)
     dataset: datasets.DataOptions = field(default_factory=datasets.DataOptions)
@@ -217,6 +219,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "samples, time per iteration, learning rate, batch size, lm loss, grad norm), above the bar",
     )
     parser.add_argument(
+        "--eval-interval",
+        type=int,
+        help="Megatron's: a validation loss (forward only) every N iterations, printed as Megatron-LM "
+        "prints it above the bar and written to --metrics",
+    )
+    parser.add_argument(
+        "--eval-iters", type=int, help="Megatron's: iterations (global batches) per validation (default 100)"
+    )
+    parser.add_argument(
         "--tensorboard-dir",
         help="Megatron's: TensorBoard logs here, with Megatron-LM's tags (lm loss, learning-rate, "
         "grad-norm, iteration-time, batch-size) and each rank's bubble and peak memory at the end",
@@ -287,6 +298,8 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         "clip_grad": args.clip_grad,
         "seed": args.seed,
         "log_interval": args.log_interval,
+        "eval_interval": args.eval_interval,
+        "eval_iters": args.eval_iters,
     }
     if args.global_batch_size is not None and args.microbatches is None:
         training.pop("microbatches", None)  # the global batch size decides
@@ -428,6 +441,7 @@ def check(settings: TrainSettings) -> None:
         raise UsageError("--pp-post-validation-chain", "needs --pp-post-validation")
     if settings.log_interval < 1:
         raise UsageError("--log-interval", f"must be at least 1, got {settings.log_interval}")
+    _check_eval(settings)
     if settings.clip_grad < 0:
         raise UsageError("--clip-grad", f"must be 0 (no clipping) or positive, got {settings.clip_grad}")
     _check_parallel(settings, model)
@@ -463,6 +477,23 @@ def check(settings: TrainSettings) -> None:
                 f"slices of {list(lengths)} tokens cannot be split over {settings.tp} tensor-parallel "
                 "ranks (sequence parallelism): use fewer slices or a longer --seq-length",
             )
+
+
+def _check_eval(settings: TrainSettings) -> None:
+    """--eval-interval and --eval-iters, and a validation share of --data-path to read."""
+    if settings.eval_interval is None:
+        if settings.eval_iters != TrainSettings.eval_iters:
+            raise UsageError("--eval-iters", "needs --eval-interval N (a validation loss every N iterations)")
+        return
+    if settings.eval_interval < 1:
+        raise UsageError("--eval-interval", f"must be at least 1, got {settings.eval_interval}")
+    if settings.eval_iters < 1:
+        raise UsageError("--eval-iters", f"must be at least 1, got {settings.eval_iters}")
+    if settings.dataset.data_path is not None and not datasets.split_weights(settings.dataset)[1] > 0:
+        raise UsageError(
+            "--split",
+            f"{settings.dataset.split}: no validation share for --eval-interval (give it one, e.g. 98,2,0)",
+        )
 
 
 def _check_parallel(settings: TrainSettings, model: Any) -> None:
@@ -944,30 +975,42 @@ class TrainJob:
             f"{_describe(loaded.get('layout', {}))}{rng}"
         )
 
-    def iterators(self) -> list[Any]:
+    def iterators(self, split: str = "train", first_sample: int | None = None) -> list[Any]:
         """One iterator per chunk, same seed: the chunk holding the embedding reads tokens, the one
         holding the loss reads labels, of the same microbatches. Each data-parallel rank takes every
         DP-th microbatch of the one stream (Megatron's sampler order), so the global batch is the
-        same at every DP size; a resumed run starts after the samples consumed."""
+        same at every DP size; a resumed run starts after the samples consumed (``first_sample``:
+        the validation split's). The byte-level text (data.py) or megatron-core's datasets
+        (megatron/datasets.py, with Megatron's flags), ``split`` "train" or "valid"."""
         from .. import data
 
         settings = self.settings
-        if settings.dataset.megatron:  # megatron-core's datasets (megatron/datasets.py)
-            global_batch = settings.micro_batch_size * settings.microbatches * settings.dp
-            train, _, _ = datasets.build_datasets(
-                settings.dataset,
-                settings.seed,
-                self.model_config.seq_length,
-                [settings.iterations * global_batch, 0, 0],
-            )
-            first = self.position["consumed_train_samples"]
+        if first_sample is None:
+            first_sample = self.position["consumed_train_samples"]
+        if settings.dataset.megatron:
+            if not hasattr(self, "datasets"):  # built once, on every rank together
+                global_batch = settings.micro_batch_size * settings.microbatches * settings.dp
+                evaluations = (
+                    settings.iterations // settings.eval_interval + 1 if settings.eval_interval else 0
+                )
+                self.datasets = datasets.build_datasets(
+                    settings.dataset,
+                    settings.seed,
+                    self.model_config.seq_length,
+                    [settings.iterations * global_batch, evaluations * settings.eval_iters * global_batch, 0],
+                )
+            dataset = self.datasets[("train", "valid").index(split)]
             return [
-                datasets.microbatches(train, settings.micro_batch_size, settings.dp, self.dp_rank, first)
+                datasets.microbatches(
+                    dataset, settings.micro_batch_size, settings.dp, self.dp_rank, first_sample
+                )
                 for _ in self.model
             ]
         tokens = data.encode(data.load_text(settings.data))
-        train_tokens, _ = data.split_train_valid(tokens)
-        start = self.position["consumed_train_samples"] // settings.micro_batch_size
+        train_tokens, valid_tokens = data.split_train_valid(tokens)
+        if split == "valid":
+            train_tokens = valid_tokens
+        start = first_sample // settings.micro_batch_size
         seq = self.model_config.seq_length
         return [
             data.data_parallel_share(
@@ -991,6 +1034,10 @@ class TrainJob:
         iterators = self.iterators()
         first = self.position["iteration"] + 1
         global_batch = settings.micro_batch_size * settings.microbatches * settings.dp
+        valid_iterators = None
+        if settings.eval_interval is not None:  # as Megatron-LM: on from the validations done
+            done = (first - 1) // settings.eval_interval * settings.eval_iters * global_batch
+            valid_iterators = self.iterators("valid", done)
         progress = _progress(settings.iterations, show=self.shows, initial=first - 1)
         metrics_file = (
             open(settings.metrics, "a" if first > 1 else "w") if settings.metrics and self.shows else None
@@ -1061,9 +1108,15 @@ class TrainJob:
                 iteration == settings.iterations
                 or bool(settings.save_interval and iteration % settings.save_interval == 0)
             )
+            evaluate = valid_iterators is not None and iteration % settings.eval_interval == 0
+            if evaluate:
+                if not step.settled:
+                    self.optimizer.settle()  # the validation sees the checked step's weights
+                self.phase = f"the validation after iteration {iteration}"
+                row["validation_loss"] = self._evaluate(valid_iterators)
             if step.settled:
                 self._emit(row, step, progress, metrics_file)
-            elif save or iteration == settings.iterations:
+            elif save or evaluate or iteration == settings.iterations:
                 self.optimizer.settle()  # a checkpoint (or the run's end) takes the checked step
                 self._emit(row, self.optimizer.last, progress, metrics_file)
             else:
@@ -1111,6 +1164,36 @@ class TrainJob:
                 + f" (schedule's order at unit costs: {' > '.join(map(str, self.unit_chain))})"
             )
 
+    def _evaluate(self, iterators: list[Any]) -> float | None:
+        """Megatron-LM's ``evaluate``: --eval-iters forward-only steps through the schedule, the
+        loss token-weighted over all of them and the data-parallel ranks (on the loss rank)."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import pipeline_parallel
+
+        settings = self.settings
+        sums = torch.zeros(2, dtype=torch.float64)
+        for _ in range(settings.eval_iters):
+            losses = pipeline_parallel.get_forward_backward_func()(
+                forward_step_func=self.forward_step_func,
+                data_iterator=iterators,
+                model=self.model,
+                num_microbatches=settings.microbatches,
+                seq_length=self.model_config.seq_length,
+                micro_batch_size=settings.micro_batch_size,
+                forward_only=True,
+            )
+            if self.is_loss_rank:
+                step = torch.stack([sum(item["lm loss"][i] for item in losses) for i in (0, 1)])
+                sums += step.detach().double().cpu()
+        if not self.is_loss_rank:
+            return None
+        from .. import launch
+
+        sums = sums.to(launch.collective_device(self.device))
+        dist.all_reduce(sums, group=self.dp_group)
+        return float(sums[0] / sums[1])
+
     def _gate(self) -> bool:
         """Post-validation, at the validation gate of a step: settle the previous optimizer step
         (its global check; a failed one is rolled back and redone), then zero the gradients it
@@ -1148,9 +1231,13 @@ class TrainJob:
             )
         if iteration % self.settings.log_interval == 0:
             progress.write(log_line(row, self.settings.iterations))
+        if "validation_loss" in row:
+            line = validation_line(iteration, row["validation_loss"])
+            progress.write("\n".join(("-" * len(line), line, "-" * len(line))))
         progress.update(1)
         if metrics_file:
-            metrics_file.write(json.dumps({key: row[key] for key in METRICS}) + "\n")
+            extra = ("validation_loss",) if "validation_loss" in row else ()
+            metrics_file.write(json.dumps({key: row[key] for key in (*METRICS, *extra)}) + "\n")
             metrics_file.flush()
         self.logs.iteration(
             iteration,
@@ -1328,6 +1415,14 @@ def log_line(row: dict[str, Any], iterations: int) -> str:
         f" lm loss: {row['loss']:.6E} |"
         f" grad norm: {row['grad_norm']:.3f} |"
         f" number of skipped iterations: {int(row['skipped']):3d} |"
+    )
+
+
+def validation_line(iteration: int, loss: float) -> str:
+    """A validation loss as Megatron-LM's ``evaluate_and_print_results`` prints it."""
+    ppl = math.exp(min(20, loss))
+    return (
+        f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
     )
 
 

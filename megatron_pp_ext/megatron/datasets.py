@@ -136,6 +136,12 @@ def check(options: DataOptions, text_data: str | None, tp: int) -> int | None:
     return padded_vocab_size(options.vocab_size + 1, options.make_vocab_size_divisible_by, tp)
 
 
+def split_weights(options: DataOptions) -> list[float]:
+    """``--split`` (or Megatron-LM's default) as train, valid and test weights."""
+    parts = [float(part) for part in (options.split or DEFAULT_SPLIT).replace("/", ",").split(",")]
+    return [*parts, 0.0, 0.0][:3]
+
+
 def padded_vocab_size(tokenizer_vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron-LM's ``_vocab_size_with_padding``: up to a multiple of divisible_by x TP."""
     multiple = divisible_by * tp
