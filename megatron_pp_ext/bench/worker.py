@@ -4,8 +4,8 @@ Within a row, our schedule and the baseline's (torch's or Megatron's) take turns
 iteration, in paired rounds A B, B A, A B, ... (the order flips every round), so load from other
 processes on a shared machine hits both alike; each round gives one ratio ours/baseline. An
 iteration's time is the slowest rank's, from a barrier to the end of its step; zeroing gradients
-and the bookkeeping collectives are outside it. Each rank is pinned to a core of its own where
-the machine has one per rank. Every step's outcome is gathered on all ranks, so a rank that fails
+and the bookkeeping collectives are outside it. On CPU each rank is pinned to a core of its own
+where the machine has one per rank. Every step's outcome is gathered on all ranks, so a rank that fails
 (or times out waiting for a failed peer) drops the job on every rank together.
 
 Against Megatron, the rows after its two schedules' counterparts are timed against the faster of
@@ -83,9 +83,10 @@ def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings)
     # The bookkeeping collectives wait longer than any transfer, so a rank whose peer failed
     # times out in the pipeline first and still meets the others at the next gather.
     device = launch.init_distributed(rank, world_size, local_rank, 2 * settings.timeout + 60)
-    if device.type == "cpu":
+    pinned = False
+    if device.type == "cpu":  # ranks compute on the cores: one thread and one core each
         torch.set_num_threads(1)
-    pinned = pin_to_core(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        pinned = pin_to_core(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     init_parallel_state(world_size)
     model = ModelConfig(**settings.model)
     seed_like_megatron(settings.seed)  # as train: Megatron-LM's stage seeds, the CUDA RNG tracker
