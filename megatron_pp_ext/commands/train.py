@@ -1025,7 +1025,6 @@ class TrainJob:
 
     def run(self) -> list[dict[str, Any]]:
         import torch.distributed as dist
-        from megatron.core import pipeline_parallel
 
         from ..megatron.ddp import zero_grad_buffers
         from ..megatron.optimizer import optimizer_step
@@ -1062,17 +1061,8 @@ class TrainJob:
                 self.phase = f"the barrier that starts iteration {iteration} (every rank)"
                 dist.barrier()  # every rank starts together: comparable step times
             start = time.perf_counter()
-            forward_backward_func = pipeline_parallel.get_forward_backward_func()
             self.phase = f"the pipeline step of iteration {iteration}"
-            losses = forward_backward_func(
-                forward_step_func=self.forward_step_func,
-                data_iterator=iterators,
-                model=self.model,
-                num_microbatches=settings.microbatches,
-                seq_length=self.model_config.seq_length,
-                micro_batch_size=settings.micro_batch_size,
-                forward_only=False,
-            )
+            losses = self._pipeline_step(iterators, forward_only=False)
             if unsettled is not None:
                 self._emit(unsettled, self.optimizer.last, progress, metrics_file)
                 unsettled = None
@@ -1164,25 +1154,31 @@ class TrainJob:
                 + f" (schedule's order at unit costs: {' > '.join(map(str, self.unit_chain))})"
             )
 
+    def _pipeline_step(self, iterators: list[Any], forward_only: bool) -> list[Any]:
+        """One global batch through the schedule, by Megatron's ``get_forward_backward_func()``
+        (the installed hook): the loss dicts on the loss rank."""
+        from megatron.core import pipeline_parallel
+
+        return pipeline_parallel.get_forward_backward_func()(
+            forward_step_func=self.forward_step_func,
+            data_iterator=iterators,
+            model=self.model,
+            num_microbatches=self.settings.microbatches,
+            seq_length=self.model_config.seq_length,
+            micro_batch_size=self.settings.micro_batch_size,
+            forward_only=forward_only,
+        )
+
     def _evaluate(self, iterators: list[Any]) -> float | None:
         """Megatron-LM's ``evaluate``: --eval-iters forward-only steps through the schedule, the
         loss token-weighted over all of them and the data-parallel ranks (on the loss rank)."""
         import torch
         import torch.distributed as dist
-        from megatron.core import pipeline_parallel
 
         settings = self.settings
         sums = torch.zeros(2, dtype=torch.float64)
         for _ in range(settings.eval_iters):
-            losses = pipeline_parallel.get_forward_backward_func()(
-                forward_step_func=self.forward_step_func,
-                data_iterator=iterators,
-                model=self.model,
-                num_microbatches=settings.microbatches,
-                seq_length=self.model_config.seq_length,
-                micro_batch_size=settings.micro_batch_size,
-                forward_only=True,
-            )
+            losses = self._pipeline_step(iterators, forward_only=True)
             if self.is_loss_rank:
                 step = torch.stack([sum(item["lm loss"][i] for item in losses) for i in (0, 1)])
                 sums += step.detach().double().cpu()
