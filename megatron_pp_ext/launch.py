@@ -93,6 +93,13 @@ def init_distributed(
     return device
 
 
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value``, on every rank (the world group; picklable objects)."""
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def collective_device(device: torch.device) -> torch.device:
     """Where a small bookkeeping tensor goes for a collective: the GPU under NCCL, host memory
     under gloo (gloo's all-gather, gather and send take CPU tensors only)."""

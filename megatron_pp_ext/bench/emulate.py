@@ -406,19 +406,13 @@ def _fine_timer_slack() -> None:
         pass
 
 
-def _gather(value: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
 def measure_latency(comm: Any, shape: tuple[int, ...], rounds: int = PING_ROUNDS) -> list[float]:
     """One-way latency of a message of ``shape`` (fp32) between each pair of neighbour ranks
     (r, r+1), through ``comm`` as the pipeline sends it: half the median round trip, measured by
     rank r (F channel up, B channel back). Every rank returns the same list."""
     import torch
+
+    from .. import launch
 
     rank, size = comm.rank, comm.size
     creation = comm.creation
@@ -444,7 +438,7 @@ def measure_latency(comm: Any, shape: tuple[int, ...], rounds: int = PING_ROUNDS
         if rank == low:
             mine[low] = statistics.median(trips[PING_SKIPPED:] or trips) / 2
     merged: dict[int, float] = {}
-    for found in _gather(mine):
+    for found in launch.gather_objects(mine):
         merged.update(found)
     return [merged[low] for low in range(size - 1)]
 
@@ -487,6 +481,8 @@ def run_job(job: EmulateJob, comm: Any, settings: EmulateSettings) -> tuple[dict
     """Warm-up and timed steps of one schedule on this rank; (its row, whether a step failed)."""
     import torch.distributed as dist
 
+    from .. import launch
+
     assert job.lowered is not None
     costs = emulated_costs(job.lowered, settings.costs)
     creation = comm.creation
@@ -506,7 +502,7 @@ def run_job(job: EmulateJob, comm: Any, settings: EmulateSettings) -> tuple[dict
         except Exception as caught:
             comm.abandon()
             seconds, error = 0.0, f"{type(caught).__name__}: {caught}"[:500]
-        outcomes = _gather((seconds, error))
+        outcomes = launch.gather_objects((seconds, error))
         errors = [e for _, e in outcomes if e]
         if errors:
             return {"schedule": job.name, "skip": f"failed: {errors[0]}"}, True
@@ -519,10 +515,10 @@ def run_job(job: EmulateJob, comm: Any, settings: EmulateSettings) -> tuple[dict
         "schedule": job.name,
         "skip": None,
         "steps_s": times,
-        "host_per_op_s": _gather(per_op),
+        "host_per_op_s": launch.gather_objects(per_op),
     }
     if settings.trace:
-        row["trace"] = _gather(step.trace)  # every rank's ops of the last step, as executed
+        row["trace"] = launch.gather_objects(step.trace)  # every rank's ops of the last step, as executed
     return row, False
 
 

@@ -30,10 +30,10 @@ from ..megatron.steps import forward_step
 from ..runtime import ActivationMeter
 from ..schedule.ir import Placement
 from .job import MegatronPair
-from .our_job import microbatch_loss
+from .our_job import ModuleJob, microbatch_loss
 
 
-class MegatronJob:
+class MegatronJob(ModuleJob):
     """One rank of one of megatron-core's schedules, with the weights of ``reference``."""
 
     def __init__(
@@ -68,16 +68,9 @@ class MegatronJob:
         self.interleaved = pair.chunks > 1
         self.seq_length = model.seq_length
         self.micro_batch_size = micro_batch_size
+        self.modules = list(self.chunks)
         self.params = [param for chunk in self.chunks for param in chunk.parameters()]
         self.meter: ActivationMeter | None = None
-
-    def zero_grad(self) -> None:
-        for chunk in self.chunks:
-            chunk.zero_grad(set_to_none=True)
-
-    def grad_square_sum(self) -> float:
-        grads = [param.grad for param in self.params if param.grad is not None]
-        return sum(float(grad.detach().double().pow(2).sum()) for grad in grads)
 
     def step(self, measure: bool = True) -> tuple[float | None, int | None]:
         """One training step; returns (mean microbatch loss on the last rank else None, the

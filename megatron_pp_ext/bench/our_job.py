@@ -18,7 +18,26 @@ def microbatch_loss(report: Tensor) -> float:
     return float(values[0] / values[1].clamp(min=1)) if values.numel() == 2 else float(values[0])
 
 
-class OurJob:
+class ModuleJob:
+    """What the bench's worker asks of every job besides its step, over the job's ``modules``
+    (this rank's model pieces): clear their gradients, and the sum of their squares."""
+
+    modules: list[torch.nn.Module]
+
+    def zero_grad(self) -> None:
+        for module in self.modules:
+            module.zero_grad(set_to_none=True)
+
+    def grad_square_sum(self) -> float:
+        return sum(
+            float(param.grad.detach().double().pow(2).sum())
+            for module in self.modules
+            for param in module.parameters()
+            if param.grad is not None
+        )
+
+
+class OurJob(ModuleJob):
     """One rank of one of our schedules, with the weights of ``reference``."""
 
     def __init__(
@@ -34,23 +53,12 @@ class OurJob:
         self.chunks, _ = build_chunks_from(
             reference, model, schedule.placement, rank, sliced=schedule.slices > 1
         )
+        self.modules = list(self.chunks)
         device = next(self.chunks[0].parameters()).device
         self.batches = [{key: value.to(device) for key, value in batch.items()} for batch in batches]
         self.schedule = schedule
         shape = (model.seq_length, micro_batch_size, model.hidden_size)
         self.runtime = PipelineRuntime(self.chunks, comm, shape, model.torch_dtype)
-
-    def zero_grad(self) -> None:
-        for chunk in self.chunks:
-            chunk.zero_grad(set_to_none=True)
-
-    def grad_square_sum(self) -> float:
-        return sum(
-            float(param.grad.detach().double().pow(2).sum())
-            for chunk in self.chunks
-            for param in chunk.parameters()
-            if param.grad is not None
-        )
 
     def step(self, measure: bool = True) -> tuple[float | None, int | None]:
         """One step; returns (mean microbatch loss on the loss rank else None, activation peak).

@@ -30,6 +30,7 @@ from ..megatron.steps import loss_func
 from ..runtime import ActivationMeter
 from ..schedule.ir import Placement
 from .job import TorchPair
+from .our_job import ModuleJob
 
 
 class LiveBytes:
@@ -138,7 +139,7 @@ def example_tensors(
     return (tokens if first else hidden), (logits if last else hidden)
 
 
-class TorchJob:
+class TorchJob(ModuleJob):
     """One rank of a torch.distributed.pipelining schedule on our model's stages."""
 
     def __init__(
@@ -196,18 +197,6 @@ class TorchJob:
             self.stages[0] if single else self.stages, len(batches), loss_fn=loss_fn, scale_grads=True
         )
         self.tokens, self.target = pack_inputs(batches, device)
-
-    def zero_grad(self) -> None:
-        for module in self.modules:
-            module.zero_grad(set_to_none=True)
-
-    def grad_square_sum(self) -> float:
-        return sum(
-            float(param.grad.detach().double().pow(2).sum())
-            for module in self.modules
-            for param in module.parameters()
-            if param.grad is not None
-        )
 
     def step(self, measure: bool = True) -> tuple[float | None, int]:
         """One step; returns (mean microbatch loss on the loss rank else None, activation peak).

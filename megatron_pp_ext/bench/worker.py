@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..launch import gather_objects
 from ..megatron.model import ModelConfig
 from .job import MEGATRON_PAIRS, BenchSettings, MegatronPair, Row
 
@@ -111,7 +112,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings)
         if rank == 0 and result.get("check"):
             progress.write(check_line(result), file=sys.stderr if settings.quiet else sys.stdout)
     progress.close()
-    pinned = all(gather(pinned))
+    pinned = all(gather_objects(pinned))
     if rank == 0:
         with open(settings.output, "w") as handle:
             json.dump(summary(settings, device, rows, pinned), handle)
@@ -150,8 +151,11 @@ def megatron_pair(row: Row, context: Context) -> tuple[MegatronPair | None, str 
     return MEGATRON_PAIRS[best], None
 
 
-def build_jobs(row: Row, context: Context) -> tuple[dict[str, Any], dict[str, str]]:
-    """Our job and the baseline's for ``row``; a job that fails to build on any rank is dropped on all."""
+def build_jobs(
+    row: Row, context: Context, pair: MegatronPair | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Our job and the baseline's for ``row`` (``pair``: Megatron's schedule, against Megatron); a
+    job that fails to build on any rank is dropped on all."""
     from .megatron_job import MegatronJob
     from .our_job import OurJob
     from .torch_job import TorchJob
@@ -180,7 +184,6 @@ def build_jobs(row: Row, context: Context) -> tuple[dict[str, Any], dict[str, st
             context.device,
             context.group,
         )
-    pair = megatron_pair(row, context)[0] if s.against == "megatron" else None
     if pair is not None:
         builders["megatron"] = lambda: MegatronJob(
             pair,
@@ -198,7 +201,7 @@ def build_jobs(row: Row, context: Context) -> tuple[dict[str, Any], dict[str, st
             job = build()
         except Exception as caught:  # torch's own constraints, e.g. DualPipeV's microbatch count
             error = f"{type(caught).__name__}: {caught}"
-        errors = [e for e in gather(error) if e]
+        errors = [e for e in gather_objects(error) if e]
         if errors:
             skipped[name] = errors[0]
         else:
@@ -209,7 +212,8 @@ def build_jobs(row: Row, context: Context) -> tuple[dict[str, Any], dict[str, st
 def run_row(row: Row, context: Context) -> dict[str, Any]:
     """Warm-up, timed and one final memory iteration of each job, the jobs taking turns."""
     s = context.settings
-    jobs, skipped = build_jobs(row, context)
+    pair, pair_skip = megatron_pair(row, context) if s.against == "megatron" else (None, None)
+    jobs, skipped = build_jobs(row, context, pair)
     result: dict[str, Any] = {
         "schedule": row.name,
         "ours_skip": skipped.get("ours", row.ours_skip),
@@ -217,10 +221,9 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
     }
     baseline = s.against
     if baseline == "megatron":
-        pair, skip = megatron_pair(row, context)
         result["megatron_schedule"] = pair.label if pair else None
         result["megatron_function"] = pair.function if pair else None
-        result["megatron_skip"] = skipped.get("megatron", skip)
+        result["megatron_skip"] = skipped.get("megatron", pair_skip)
         if pair is not None and row.name not in MEGATRON_PAIRS:
             result["notes"].insert(0, f"against Megatron's faster schedule here, {pair.label}")
     else:
@@ -237,7 +240,7 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
             if name not in jobs:
                 continue
             step = timed_step(jobs[name], context.device, first=iteration == 0, measure=iteration == final)
-            outcomes = gather(step)
+            outcomes = gather_objects(step)
             errors = [o.error for o in outcomes if o.error]
             if errors:
                 result[f"{name}_skip"] = f"failed: {errors[0]}"
@@ -264,7 +267,7 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
             "first_grad_norm": first[name]["grad_norm"],
         }
     if "torch" in jobs:
-        result["torch"]["recv_buffer_bytes"] = gather(jobs["torch"].live.buffer_bytes)
+        result["torch"]["recv_buffer_bytes"] = gather_objects(jobs["torch"].live.buffer_bytes)
     if baseline == "megatron" and row.name in MEGATRON_PAIRS and "megatron" in jobs:
         context.megatron_medians = context.megatron_medians or {}
         context.megatron_medians[row.name] = result["megatron"]["median_s"]
@@ -315,19 +318,13 @@ def count_calls(job: Any, context: Context) -> int | None:
     outcome = timed_step(job, context.device, first=False, measure=False)
     if profile is not None:
         profile.disable()
-    failed = any(o.error for o in gather(outcome))
+    failed = any(o.error for o in gather_objects(outcome))
     return None if failed or profile is None else pstats.Stats(profile).total_calls
 
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def gather(value: Any) -> list[Any]:
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
 
 
 def compare(
