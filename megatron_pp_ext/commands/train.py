@@ -1458,7 +1458,8 @@ def _report(
 ) -> list[dict[str, Any]]:
     """Print every rank's steady-state figures on rank 0; return them (every rank gets all)."""
     import torch
-    import torch.distributed as dist
+
+    from .. import launch
 
     steady = step_times[1:] or step_times
     row = {
@@ -1473,8 +1474,7 @@ def _report(
         if device.type == "cuda"
         else None,
     }
-    rows: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, row)
+    rows = launch.gather_objects(row)
     if rank == 0:
         sp = " sp" if settings.sequence_parallel else ""
         cp = f" cp={settings.cp}" if settings.cp > 1 else ""
