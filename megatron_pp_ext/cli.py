@@ -12,7 +12,7 @@ import os
 import sys
 
 from . import quiet
-from .commands.errors import JobError, UsageError
+from .errors import JobError, UsageError
 
 # command name -> module under megatron_pp_ext.commands with add_parser(subparsers)
 COMMANDS = {"simulate": "simulate", "plan": "plan", "train": "train", "bench": "bench"}

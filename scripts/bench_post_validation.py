@@ -188,9 +188,9 @@ def emulated_worker(rank: int, world_size: int, local_rank: int, settings: Any) 
     import torch.distributed as dist
 
     from megatron_pp_ext import launch
-    from megatron_pp_ext.commands.train import train_loop
     from megatron_pp_ext.megatron.steps import forward_step
     from megatron_pp_ext.runtime import stage
+    from megatron_pp_ext.training.worker import train_loop
 
     forward_s, backward_s, weight_s = (float(x) for x in os.environ[EMULATE].split(","))
 

@@ -53,8 +53,9 @@ class SaveInterrupted(OSError):
 def jobs_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
-    from megatron_pp_ext.commands.train import settings_from_argv, train_loop
+    from megatron_pp_ext.commands.train import settings_from_argv
     from megatron_pp_ext.megatron.checkpoint import read_tracker
+    from megatron_pp_ext.training.worker import train_loop
 
     cpu = torch.device("cpu")
 

@@ -103,17 +103,18 @@ def train_args(*argv: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_train_loads_llama_configs_and_refuses_other_architectures(name: str) -> None:
-    from megatron_pp_ext.commands import train
-    from megatron_pp_ext.commands.errors import UsageError
+    from megatron_pp_ext.errors import UsageError
+    from megatron_pp_ext.training.checks import check
+    from megatron_pp_ext.training.settings import load_settings, resolve_layout
 
-    settings = train.resolve_layout(train.load_settings(train_args("--config", name)), None)
+    settings = resolve_layout(load_settings(train_args("--config", name)), None)
     training = configs.load(name)["training"]
     assert (settings.tp, settings.pp, settings.dp) == (training["tp"], training["pp"], training["dp"])
     if name in LLAMA:
-        train.check(settings)
+        check(settings)
         return
     with pytest.raises(UsageError) as refused:
-        train.check(settings)
+        check(settings)
     message = str(refused.value)
     assert refused.value.flag == "--config" and message.startswith("--config: ")
     assert "Llama-style" in message and "pretrain_gpt.py" in message and "simulate" in message
@@ -121,7 +122,8 @@ def test_train_loads_llama_configs_and_refuses_other_architectures(name: str) ->
 
 
 def test_train_overrides_take_a_big_config_down_to_size() -> None:
-    from megatron_pp_ext.commands import train
+    from megatron_pp_ext.training.checks import check
+    from megatron_pp_ext.training.settings import load_settings, resolve_layout
 
     args = train_args(
         "--config",
@@ -139,8 +141,8 @@ def test_train_overrides_take_a_big_config_down_to_size() -> None:
         "--micro-batch-size",
         "1",
     )
-    settings = train.resolve_layout(train.load_settings(args), None)
-    train.check(settings)
+    settings = resolve_layout(load_settings(args), None)
+    check(settings)
     assert settings.model["num_layers"] == 4 and settings.model["seq_length"] == 256
     assert (settings.pp, settings.tp, settings.microbatches) == (2, 1, 4)
     assert settings.model["hidden_size"] == 4096 and settings.pipeline.schedule == "zb-h2"

@@ -1,5 +1,6 @@
 """The project's layers, drawn as imports: the schedule core imports nothing heavy, the runtime
-never imports the Megatron adapter, and entry points never import each other. Read from the
+never imports the Megatron adapter, the training layer sits between the adapter and the
+commands, and entry points never import each other. Read from the
 source (every ``import``, at module level or inside functions), so a lazy import counts too."""
 
 from __future__ import annotations
@@ -70,6 +71,23 @@ def test_adapter_never_imports_entry_points() -> None:
     assert not offenders(
         "megatron", ("megatron_pp_ext.commands", "megatron_pp_ext.bench", "megatron_pp_ext.cli")
     )
+
+
+@pytest.mark.parametrize("layer", ["schedule", "runtime", "attention", "megatron"])
+def test_nothing_below_the_training_layer_imports_it(layer: str) -> None:
+    """The training layer (``training/``) may import the adapter, the runtime and the schedule;
+    none of them imports it back."""
+    assert not offenders(layer, ("megatron_pp_ext.training",))
+
+
+def test_training_layer_never_imports_entry_points() -> None:
+    """The commands import the training layer (the train command launches its job), never the
+    reverse: the job's errors live in the neutral ``megatron_pp_ext.errors``."""
+    assert not offenders(
+        "training", ("megatron_pp_ext.commands", "megatron_pp_ext.bench", "megatron_pp_ext.cli")
+    )
+    train_command = imports_of(PACKAGE / "commands" / "train.py")
+    assert any(is_under(name, ("megatron_pp_ext.training",)) for name in train_command)
 
 
 def test_entry_points_never_import_each_other() -> None:

@@ -103,7 +103,8 @@ def config_file(directory: str, dtype: str) -> None:
 
 
 def worker(rank: int, world: int, root: str) -> dict[str, Any]:
-    from megatron_pp_ext.commands.train import settings_from_argv, train_loop
+    from megatron_pp_ext.commands.train import settings_from_argv
+    from megatron_pp_ext.training.worker import train_loop
 
     out: dict[str, Any] = {}
     for name, (schedule, dtype) in CASES.items():

@@ -112,7 +112,8 @@ class Fault:
 
 
 def train_fault_worker(rank: int, world: int, save: str, culprit: int, mode: str) -> dict:
-    from megatron_pp_ext.commands.train import fatal_errors, fatal_message, settings_from_argv, train_loop
+    from megatron_pp_ext.commands.train import settings_from_argv
+    from megatron_pp_ext.training.worker import fatal_errors, fatal_message, train_loop
 
     settings = settings_from_argv([*TRAIN_ARGS, "--save", save], world)
     fault = Fault(rank, culprit, mode, settings.microbatches)
@@ -125,7 +126,8 @@ def train_fault_worker(rank: int, world: int, save: str, culprit: int, mode: str
 
 def resume_worker(rank: int, world: int, root: str) -> dict:
     """The uninterrupted run, and the runs resumed from the checkpoints the faults left."""
-    from megatron_pp_ext.commands.train import settings_from_argv, train_loop
+    from megatron_pp_ext.commands.train import settings_from_argv
+    from megatron_pp_ext.training.worker import train_loop
 
     cpu = torch.device("cpu")
     return {
@@ -185,8 +187,9 @@ def post_validation_fault_worker(rank: int, world: int, save: str) -> dict:
     """ZB-H2 with post-validation (chain 0 > 1): at iteration ``FAULT_ITERATION`` rank 1 dies
     before its optimizer step, so it never joins that step's global all-reduce. Rank 0 stepped on
     its partial state and went on; it waits for the global check at its next step's gate."""
-    from megatron_pp_ext.commands.train import fatal_errors, fatal_message, settings_from_argv, train_loop
+    from megatron_pp_ext.commands.train import settings_from_argv
     from megatron_pp_ext.megatron import optimizer
+    from megatron_pp_ext.training.worker import fatal_errors, fatal_message, train_loop
 
     argv = [*TRAIN_ARGS, "--pp-schedule", "zb-h2", "--pp-post-validation", "--clip-grad", "100"]
     argv += ["--pp-post-validation-chain", "auto"]  # the schedule's 0 > 1, not a timed order

@@ -20,7 +20,8 @@ ARGS += ["--microbatches", "2", "--train-iters", "2", "--seed", "7"]
 def setup_worker(rank: int, world: int) -> dict:
     import numpy as np
 
-    from megatron_pp_ext.commands.train import TrainJob, settings_from_argv
+    from megatron_pp_ext.commands.train import settings_from_argv
+    from megatron_pp_ext.training.job import TrainJob
 
     report: dict = {}
     for name, extra in (("fp32", []), ("bf16", ["--bf16"])):

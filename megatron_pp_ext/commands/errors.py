@@ -1,18 +1,8 @@
-"""The errors commands raise: bad input (exit 2, naming the flag to change) and a job that failed
-while running (exit 1, saying what happened and how to resume)."""
+"""The commands' errors, defined in :mod:`megatron_pp_ext.errors` (the training layer raises them
+too, and never imports a command); kept here for the commands and callers that import them so."""
 
 from __future__ import annotations
 
+from ..errors import JobError, UsageError
 
-class UsageError(Exception):
-    def __init__(self, flag: str, message: str, flag_in_message: bool = False) -> None:
-        super().__init__(message)
-        self.flag = flag
-        self.flag_in_message = flag_in_message or flag in message
-
-    def __str__(self) -> str:
-        return self.args[0] if self.flag_in_message else f"{self.flag}: {self.args[0]}"
-
-
-class JobError(Exception):
-    """A job that started and failed (a rank died): one line, exit code 1."""
+__all__ = ["JobError", "UsageError"]

@@ -370,13 +370,14 @@ def _place_vocabulary(chunk: Any, chunk_index: int, layout: Placement, args: Any
     padded vocabulary and the first and last stages an embedding feed and an output capture in
     place of their full tables; the tables Megatron initialised (this TP rank's part) go from the
     first stage's rank and the last stage's to every pipeline rank, which keeps its rows: the
-    shards start from the model a run without vocabulary parallelism starts from."""
+    shards start from the model a run without vocabulary parallelism starts from. The set-up is
+    ``train``'s own (:func:`~megatron_pp_ext.megatron.vocabulary.shard_vocabulary`), with the
+    tables broadcast instead of copied from a reference model."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..runtime.vocab_ops import setup_vocab_parallel
-    from ..runtime.vocab_parallel import VocabGroups
+    from .vocabulary import shard_vocabulary
 
     chunks = _state.setdefault("vocab_chunks", [])
     if chunk_index == 0:
@@ -394,7 +395,22 @@ def _place_vocabulary(chunk: Any, chunk_index: int, layout: Placement, args: Any
         else None,
         "output": chunks[layout.chunk_index(last)].output_layer.weight.detach() if last in stages else None,
     }
-    vocab = setup_vocab_parallel(
+
+    def broadcast_tables() -> tuple[torch.Tensor, torch.Tensor]:
+        """Each table from the rank that holds it (first stage's, last stage's) to every rank."""
+        group = parallel_state.get_pipeline_model_parallel_group()
+        rows = args.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
+        tables = {}
+        for name, source in (("embedding", 0), ("output", layout.rank_of(last))):
+            table = held[name]
+            if table is None:
+                table = torch.empty(rows, args.hidden_size, dtype=weight.dtype, device=weight.device)
+            table = table.contiguous()
+            dist.broadcast(table, src=dist.get_global_rank(group, source), group=group)
+            tables[name] = table
+        return tables["embedding"], tables["output"]
+
+    vocab = shard_vocabulary(
         chunks,
         layout,
         rank,
@@ -404,19 +420,9 @@ def _place_vocabulary(chunk: Any, chunk_index: int, layout: Placement, args: Any
         sequence_parallel=bool(args.sequence_parallel),
         dtype=weight.dtype,
         device=weight.device,
-        groups=VocabGroups.create(timeout_s=getattr(args, "pp_p2p_timeout", None)),
+        timeout_s=getattr(args, "pp_p2p_timeout", None),
+        tables=broadcast_tables,
     )
-    group = parallel_state.get_pipeline_model_parallel_group()
-    rows = args.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
-    tables = {}
-    for name, source in (("embedding", 0), ("output", layout.rank_of(last))):
-        table = held[name]
-        if table is None:
-            table = torch.empty(rows, args.hidden_size, dtype=weight.dtype, device=weight.device)
-        table = table.contiguous()
-        dist.broadcast(table, src=dist.get_global_rank(group, source), group=group)
-        tables[name] = table
-    vocab.vp.load_tp_shards(embedding=tables["embedding"], output=tables["output"])
     setup(args).vocab = vocab
     chunks.clear()
 

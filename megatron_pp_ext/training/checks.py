@@ -1,0 +1,281 @@
+"""The checks a training run passes before any process starts: each one names the flag to
+change (a :class:`UsageError`, exit status 2), so bad input fails once, in the launching process,
+rather than in every worker after start-up."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import logs
+from ..errors import UsageError
+from ..megatron import datasets, layer_spec
+from ..megatron.checkpoint import CheckpointError, find_checkpoint, read_common
+from ..megatron.hook import OptionError
+from ..megatron.model import ModelConfig, split_layers
+from .settings import TRAIN_FLAGS, TrainSettings
+
+
+def check(settings: TrainSettings) -> None:
+    """Every check that can fail before processes start, each naming its flag."""
+    try:
+        model = ModelConfig(**settings.model)
+    except (TypeError, ValueError) as error:
+        # the model fields train has flags for are named by their flag
+        flag = {"seq_length": "--seq-length", "num_layers": "--num-layers"}.get(
+            str(error).split()[0], "--config"
+        )
+        raise UsageError(flag, f"model section: {error}" if flag == "--config" else str(error)) from None
+    if model.unsupported():
+        raise UsageError(
+            "--config",
+            f"train builds Llama-style models only (normalization=RMSNorm, activation=swiglu, "
+            f"position_embedding=rope, bias=false, tied_embeddings=false); this config has "
+            f"{', '.join(model.unsupported())}: train it with Megatron-LM's pretrain_gpt.py "
+            "(scripts/slurm/launch.sh), or study it with simulate --model",
+        )
+    if settings.iterations < 1:  # (--micro-batch-size and the parallel sizes: resolve_layout)
+        raise UsageError("--train-iters", f"needs at least 1, got {settings.iterations}")
+    if not settings.lr > 0:
+        raise UsageError("--lr", f"must be positive, got {settings.lr}")
+    if not settings.pipeline.p2p_timeout > 0:
+        raise UsageError(
+            "--pp-p2p-timeout", f"must be positive (seconds), got {settings.pipeline.p2p_timeout}"
+        )
+    if settings.data is not None and not Path(settings.data).is_file():
+        what = "a directory" if Path(settings.data).is_dir() else "no such file"
+        raise UsageError("--data", f"{settings.data}: {what}; give a text file to train on, or leave it out")
+    if settings.tensorboard_dir is not None:
+        if not logs.available():
+            raise UsageError("--tensorboard-dir", "needs the tensorboard package: pip install tensorboard")
+    if settings.post_validation_chain != "measured" and not settings.post_validation:
+        raise UsageError("--pp-post-validation-chain", "needs --pp-post-validation")
+    if settings.log_interval < 1:
+        raise UsageError("--log-interval", f"must be at least 1, got {settings.log_interval}")
+    _check_eval(settings)
+    if settings.clip_grad < 0:
+        raise UsageError("--clip-grad", f"must be 0 (no clipping) or positive, got {settings.clip_grad}")
+    _check_parallel(settings, model)
+    _check_backend(settings)
+    _check_checkpoints(settings)
+    flags = dict(TRAIN_FLAGS)
+    if settings.global_batch_size is not None:
+        flags["--microbatches"] = "--global-batch-size"
+    try:
+        schedule = settings.pipeline.schedule_for(settings.pp, settings.microbatches, flags)
+    except OptionError as error:
+        raise UsageError(error.flag, error.reason) from None
+    _check_transformer_impl(settings, schedule)
+    try:
+        split_layers(model.num_layers, schedule.num_stages)
+    except ValueError as error:
+        raise UsageError(
+            "--num-layers",
+            f"{error} ({settings.pipeline.schedule} on {settings.pp} pipeline ranks has "
+            f"{schedule.num_stages} virtual stages; use a --num-layers of at least {schedule.num_stages})",
+        ) from None
+    if schedule.slices > 1:
+        try:
+            lengths = settings.pipeline.slice_lengths(schedule, model.seq_length, model.shape(), TRAIN_FLAGS)
+        except OptionError as error:
+            raise UsageError(error.flag, error.reason) from None
+        for index, length in enumerate(lengths):
+            what = f"slice {index} of {list(lengths)} (--pp-seq-slices {schedule.slices})"
+            _check_cp_length(length, settings, "--pp-seq-slices", what)
+        if settings.sequence_parallel and any(length % settings.tp for length in lengths):
+            raise UsageError(
+                "--pp-seq-slices",
+                f"slices of {list(lengths)} tokens cannot be split over {settings.tp} tensor-parallel "
+                "ranks (sequence parallelism): use fewer slices or a longer --seq-length",
+            )
+
+
+def _check_eval(settings: TrainSettings) -> None:
+    """--eval-interval and --eval-iters, and a validation share of --data-path to read."""
+    if settings.eval_interval is None:
+        if settings.eval_iters != TrainSettings.eval_iters:
+            raise UsageError("--eval-iters", "needs --eval-interval N (a validation loss every N iterations)")
+        return
+    if settings.eval_interval < 1:
+        raise UsageError("--eval-interval", f"must be at least 1, got {settings.eval_interval}")
+    if settings.eval_iters < 1:
+        raise UsageError("--eval-iters", f"must be at least 1, got {settings.eval_iters}")
+    if settings.dataset.data_path is not None and not datasets.split_weights(settings.dataset)[1] > 0:
+        raise UsageError(
+            "--split",
+            f"{settings.dataset.split}: no validation share for --eval-interval (give it one, e.g. 98,2,0)",
+        )
+
+
+def _check_parallel(settings: TrainSettings, model: Any) -> None:
+    """Tensor, sequence and context parallelism the model and runtime can take."""
+    tp_flag = "--tensor-model-parallel-size"
+    _check_cp_length(model.seq_length, settings, "--seq-length", f"--seq-length {model.seq_length}")
+    if settings.sequence_parallel and settings.tp == 1:
+        raise UsageError("--sequence-parallel", f"needs {tp_flag} > 1, or drop --sequence-parallel")
+    for what, count in (
+        ("attention heads", model.num_attention_heads),
+        ("KV heads (num_kv_heads)", model.num_kv_heads),
+        ("vocabulary", model.vocab_size),
+        ("FFN width", model.ffn_hidden_size),
+    ):
+        if count % settings.tp:
+            raise UsageError(tp_flag, f"{settings.tp} does not divide the model's {count} {what}")
+    if settings.sequence_parallel and model.seq_length % settings.tp:
+        raise UsageError(
+            "--seq-length",
+            f"{model.seq_length} is not divisible by {tp_flag} {settings.tp} (sequence parallelism)",
+        )
+
+
+def _check_backend(settings: TrainSettings) -> None:
+    """``--distributed-backend``: NCCL needs GPUs; gloo on GPUs (ranks sharing them) runs
+    pipeline parallelism only: the runtime stages its messages through host memory, but
+    Megatron's tensor-, context- and data-parallel collectives (and the vocabulary passes) would
+    hand gloo CUDA tensors it cannot move."""
+    flag, backend = "--distributed-backend", settings.distributed_backend
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError(flag, "nccl needs CUDA GPUs and this machine has none: drop it (CPU runs use gloo)")
+    if backend != "gloo" or not torch.cuda.is_available():
+        return
+    for other, size in (
+        ("--tensor-model-parallel-size", settings.tp),
+        ("--context-parallel-size", settings.cp),
+        ("--data-parallel-size", settings.dp),
+    ):
+        if size > 1:
+            raise UsageError(
+                flag,
+                f"gloo on GPUs (ranks sharing them) runs pipeline parallelism only: drop {other} {size}, "
+                "or use nccl with a GPU per rank",
+            )
+    if settings.pipeline.vocab_parallel != "none":
+        raise UsageError(flag, "gloo on GPUs cannot run --pp-vocab-parallel's collectives: use nccl")
+
+
+def _check_checkpoints(settings: TrainSettings) -> None:
+    """Checkpoint flags that cannot work, and a --load whose checkpoint is missing, incomplete or
+    of another model, fail here rather than in every worker."""
+    if settings.save_interval is not None:
+        if settings.save is None:
+            raise UsageError("--save-interval", "needs --save DIR")
+        if settings.save_interval < 1:
+            raise UsageError("--save-interval", f"needs at least 1, got {settings.save_interval}")
+    if settings.ckpt_step is not None and settings.load is None:
+        raise UsageError("--ckpt-step", "needs --load DIR")
+    if settings.save is not None:
+        _check_writable(Path(settings.save))
+    if settings.load is None:
+        return
+    flag = "--load" if settings.ckpt_step is None else "--ckpt-step"
+    try:
+        path = find_checkpoint(settings.load, settings.ckpt_step)
+    except CheckpointError as error:
+        raise UsageError(flag, str(error)) from None
+    if path is None:
+        _check_fresh_start(Path(settings.load), settings.save)
+        return
+    common = read_common(path)
+    saved, ours = (
+        ModelConfig(**common.get("layout", {}).get("model", settings.model)),
+        ModelConfig(**settings.model),
+    )
+    for key in SHAPE_KEYS:
+        if getattr(saved, key) != getattr(ours, key):
+            raise UsageError(
+                "--load",
+                f"{path} holds a model with {key}={getattr(saved, key)}, this run has {getattr(ours, key)}",
+            )
+    consumed = common.get("consumed_train_samples", 0)
+    if consumed % settings.micro_batch_size:
+        raise UsageError(
+            "--micro-batch-size",
+            f"{path} consumed {consumed} samples, not a multiple of --micro-batch-size "
+            f"{settings.micro_batch_size}: the data position cannot be restored",
+        )
+
+
+def _check_writable(save: Path) -> None:
+    """``--save``: a directory this process can create and write in, before any step is spent."""
+    if save.exists() and not save.is_dir():
+        raise UsageError("--save", f"{save} is a file, not a directory")
+    try:
+        save.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError("--save", f"cannot create {save}: {error.strerror}") from None
+    if not os.access(save, os.W_OK | os.X_OK):
+        raise UsageError("--save", f"{save} is not writable by this user")
+
+
+def _check_fresh_start(load: Path, save: str | None) -> None:
+    """``--load`` without a checkpoint starts from scratch, as Megatron-LM does, when it is the
+    ``--save`` directory (the same command starts and resumes a job); another directory that
+    is missing, or holds files but no checkpoint, is a mistake."""
+    if save is not None and load.resolve() == Path(save).resolve():
+        return
+    if not load.exists():
+        raise UsageError(
+            "--load",
+            f"{load}: no such directory (to start fresh and resume later, give --save the same directory)",
+        )
+    if any(load.iterdir()):
+        raise UsageError(
+            "--load",
+            f"{load} is not a checkpoint directory (no latest_checkpointed_iteration.txt): give the "
+            "directory --save wrote",
+        )
+
+
+# Model fields a checkpoint's tensors depend on (the rest, e.g. seq_length, may change on resume).
+SHAPE_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "vocab_size",
+    "dtype",
+)
+
+
+def _check_transformer_impl(settings: TrainSettings, schedule: Any) -> None:
+    """``--transformer-impl transformer_engine`` needs TE importable on a GPU, and a schedule
+    without a B/W split (as the pretrain_gpt.py hook refuses it)."""
+    if settings.transformer_impl != "transformer_engine":
+        return
+    if not layer_spec.te_available():  # looked up at each call: tests stand it in
+        raise UsageError(
+            "--transformer-impl",
+            "transformer_engine needs Transformer Engine importable and a GPU: install it "
+            '(pip install -e ".[gpu]") or use --transformer-impl local',
+        )
+    if schedule.splits_backward:
+        raise UsageError(
+            "--transformer-impl",
+            f"{schedule.name} defers weight gradients (B/W split), which Transformer Engine's layers "
+            "do not give to W yet: use --transformer-impl local (fused SDPA attention, deferrable "
+            "linears)",
+        )
+
+
+def _check_cp_length(length: int, settings: TrainSettings, flag: str, what: str) -> None:
+    """Context parallelism cuts a sequence (each slice, with a sliced schedule) into 2 x CP
+    pieces, and under sequence parallelism a rank's share into TP parts."""
+    cp = settings.cp
+    if cp == 1:
+        return
+    if length % (2 * cp):
+        raise UsageError(
+            flag,
+            f"{what}: {length} tokens cannot be cut into 2 x --context-parallel-size {cp} equal pieces; "
+            f"use a length that is a multiple of {2 * cp}",
+        )
+    if settings.sequence_parallel and (length // cp) % settings.tp:
+        raise UsageError(
+            flag,
+            f"{what}: a context-parallel rank's {length // cp} tokens cannot be split over "
+            f"--tensor-model-parallel-size {settings.tp} (sequence parallelism)",
+        )

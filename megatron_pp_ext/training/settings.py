@@ -1,0 +1,243 @@
+"""What a training run is asked to do: the config file merged with the command line's flags
+(:class:`TrainSettings`), the data-parallel layout Megatron derives, and the learning-rate
+schedule. Plain data, no torch: the launching process reads and checks it before any worker
+starts, and it pickles into the workers."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import UsageError
+from ..megatron import datasets
+from ..megatron.hook import MEGATRON_FLAGS, OptionError, PipelineOptions
+
+# The generator's flag names as this command spells them: pretrain_gpt.py's, except that train
+# also takes the number of microbatches itself (--global-batch-size when given: check()).
+TRAIN_FLAGS = {**MEGATRON_FLAGS, "--microbatches": "--microbatches"}
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+DEFAULT_CONFIG = "tiny-llama"
+
+
+@dataclass
+class TrainSettings:
+    """Everything a worker needs; plain data so it pickles into spawned processes."""
+
+    model: dict[str, Any]
+    pp: int = 4
+    tp: int = 1
+    dp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    microbatches: int = 8  # per data-parallel rank: global batch / (micro batch size x DP)
+    global_batch_size: int | None = None
+    micro_batch_size: int = 4
+    iterations: int = 40
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 4
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    seed: int = 1234
+    log_interval: int = 5  # Megatron's --log-interval: a Megatron-style line every N iterations
+    eval_interval: int | None = None  # Megatron's --eval-interval: a validation loss every N iterations
+    eval_iters: int = 100  # Megatron's --eval-iters: forward-only iterations per validation
+    data: str | None = None  # byte-level text (data.py); None: the stdlib docstrings
+    # Megatron's data flags: megatron-core's datasets and tokenizer (megatron/datasets.py)
+    dataset: datasets.DataOptions = field(default_factory=datasets.DataOptions)
+    metrics: str | None = None
+    tensorboard_dir: str | None = None  # Megatron's --tensorboard-dir (megatron_pp_ext/logs.py)
+    timeout: float = 300.0
+    save: str | None = None  # checkpoint directory (Megatron's --save)
+    save_interval: int | None = None  # iterations between saves (and one at the end)
+    load: str | None = None  # resume from this directory's latest checkpoint
+    ckpt_step: int | None = None  # load this iteration instead of the latest
+    load_optimizer: bool = True
+    load_rng: bool = True
+    post_validation: bool = False  # Zero Bubble's optimizer post-validation
+    post_validation_chain: str = "measured"  # the partial state's order: measured, auto, up, down
+    transformer_impl: str | None = None  # Megatron's --transformer-impl; None: use_te() decides
+    # Megatron's --distributed-backend; None: NCCL on GPUs, gloo on CPU; gloo on GPUs shares them
+    distributed_backend: str | None = None
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+
+    def iteration_samples(self) -> int:
+        """Sequences per iteration over all data-parallel ranks: the global batch."""
+        return self.micro_batch_size * self.microbatches * self.dp
+
+    def use_te(self, splits_backward: bool) -> bool:
+        """Transformer Engine's layers: when asked for, else on a GPU where TE imports, for a
+        schedule without a B/W split (TE's deferred weight gradient is not wired to W yet, and
+        the generic split would compute TE's full weight gradient in B)."""
+        from ..megatron.layer_spec import te_available  # here: settings import no torch
+
+        if self.transformer_impl is not None:
+            return self.transformer_impl == "transformer_engine"
+        return te_available() and not splits_backward
+
+
+def load_settings(args: argparse.Namespace) -> TrainSettings:
+    path = Path(args.config)
+    if path.suffix not in (".yaml", ".yml") and len(path.parts) == 1:  # a name (may hold dots: gpt3-1.3b)
+        path = CONFIG_DIR / f"{args.config}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+        raise UsageError("--config", f"no config {args.config!r} (file or one of: {known})")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise UsageError(
+            "--config", f"{path} is not valid YAML{at}: {getattr(error, 'problem', error)}"
+        ) from None
+    if not isinstance(raw, dict):
+        raise UsageError("--config", f"{path} is not a mapping of sections (model:, training:, pipeline:)")
+    training = dict(raw.get("training", {}))
+    model = dict(raw.get("model", {}))
+    pipeline = dict(raw.get("pipeline", {}))
+    overrides = {
+        "pp": args.pp,
+        "tp": args.tp,
+        "dp": args.dp,
+        "cp": args.cp,
+        "sequence_parallel": args.sequence_parallel,
+        "use_distributed_optimizer": args.use_distributed_optimizer,
+        "overlap_grad_reduce": args.overlap_grad_reduce,
+        "microbatches": args.microbatches,
+        "global_batch_size": args.global_batch_size,
+        "micro_batch_size": args.micro_batch_size,
+        "iterations": args.iterations,
+        "lr": args.lr,
+        "clip_grad": args.clip_grad,
+        "seed": args.seed,
+        "log_interval": args.log_interval,
+        "eval_interval": args.eval_interval,
+        "eval_iters": args.eval_iters,
+    }
+    if args.global_batch_size is not None and args.microbatches is None:
+        training.pop("microbatches", None)  # the global batch size decides
+    training.update({key: value for key, value in overrides.items() if value is not None})
+    if args.sequence_parallel is None and training.get("tp", 1) == 1:
+        training.pop("sequence_parallel", None)  # a config's sequence parallelism goes with its TP
+    if args.seq_length is not None:
+        model["seq_length"] = args.seq_length
+    if args.num_layers is not None:
+        model["num_layers"] = args.num_layers
+    if args.bf16:
+        model["dtype"] = "bfloat16"
+    options = PipelineOptions.from_args(args)
+    options = dataclasses.replace(
+        options,
+        measure_memory=True,  # train reports each rank's activation peak
+        schedule=args.pp_schedule or pipeline.get("schedule", "1f1b"),
+        chunks=args.pp_chunks if args.pp_chunks is not None else pipeline.get("chunks"),
+        slices=args.pp_seq_slices if args.pp_seq_slices is not None else pipeline.get("slices", 1),
+        slice_partition=args.pp_slice_partition or pipeline.get("slice_partition"),
+    )
+    unknown = set(training) - {f.name for f in dataclasses.fields(TrainSettings)}
+    if unknown:
+        raise UsageError("--config", f"{path}: unknown training keys {sorted(unknown)}")
+    dataset = datasets.DataOptions(
+        data_path=tuple(args.data_path) if args.data_path is not None else None,
+        split=args.split,
+        mock_data=args.mock_data,
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+    )
+    try:
+        padded_vocab = datasets.check(dataset, args.data, int(training.get("tp", 1)))
+    except OptionError as error:
+        raise UsageError(error.flag, error.reason) from None
+    if padded_vocab is not None:  # the tokenizer's vocabulary, padded as Megatron-LM pads it
+        model["vocab_size"] = padded_vocab
+    return TrainSettings(
+        model=model,
+        data=args.data,
+        dataset=dataset,
+        metrics=args.metrics,
+        tensorboard_dir=args.tensorboard_dir,
+        pipeline=options,
+        timeout=options.p2p_timeout,
+        save=args.save,
+        save_interval=args.save_interval,
+        load=args.load,
+        ckpt_step=args.ckpt_step,
+        load_optimizer=not args.no_load_optim,
+        load_rng=not args.no_load_rng,
+        post_validation=args.pp_post_validation,
+        post_validation_chain=getattr(args, "pp_post_validation_chain", None) or "measured",
+        transformer_impl=args.transformer_impl,
+        distributed_backend=args.distributed_backend,
+        **training,
+    )
+
+
+def resolve_layout(settings: TrainSettings, launcher_world_size: int | None) -> TrainSettings:
+    """Data-parallel size and microbatches per rank, as Megatron derives them: DP = world /
+    (TP x CP x PP) under a launcher (``--data-parallel-size`` otherwise), microbatches = global
+    batch / (micro batch size x DP)."""
+    pp_flag, tp_flag, cp_flag = (
+        "--pipeline-model-parallel-size",
+        "--tensor-model-parallel-size",
+        "--context-parallel-size",
+    )
+    sizes = (
+        (pp_flag, settings.pp),
+        (tp_flag, settings.tp),
+        (cp_flag, settings.cp),
+        ("--data-parallel-size", settings.dp),
+    )
+    for flag, size in (*sizes, ("--micro-batch-size", settings.micro_batch_size)):
+        if size < 1:
+            raise UsageError(flag, f"needs at least 1, got {size}")
+    if launcher_world_size is not None:
+        model_parallel = settings.tp * settings.cp * settings.pp
+        if launcher_world_size % model_parallel:
+            raise UsageError(
+                pp_flag,
+                f"the launcher started {launcher_world_size} processes, not a multiple of {tp_flag} x "
+                f"{cp_flag} x {pp_flag} = {settings.tp} x {settings.cp} x {settings.pp}; start a multiple "
+                f"of {model_parallel} processes",
+            )
+        settings = dataclasses.replace(settings, dp=launcher_world_size // model_parallel)
+    if settings.global_batch_size is not None:
+        per_step = settings.micro_batch_size * settings.dp
+        if settings.global_batch_size % per_step or settings.global_batch_size < per_step:
+            raise UsageError(
+                "--global-batch-size",
+                f"{settings.global_batch_size} is not a positive multiple of --micro-batch-size x DP "
+                f"= {settings.micro_batch_size} x {settings.dp}",
+            )
+        settings = dataclasses.replace(settings, microbatches=settings.global_batch_size // per_step)
+    return settings
+
+
+def learning_rate(settings: TrainSettings, iteration: int) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr``."""
+    if iteration <= settings.warmup:
+        return settings.lr * iteration / max(1, settings.warmup)
+    progress = (iteration - settings.warmup) / max(1, settings.iterations - settings.warmup)
+    return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def scheduler_state(settings: TrainSettings) -> dict[str, Any]:
+    """The learning-rate schedule (a function of the iteration), recorded as Megatron records its
+    scheduler; the run's own flags decide it on resume."""
+    return {
+        "max_lr": settings.lr,
+        "min_lr": settings.min_lr,
+        "warmup_iters": settings.warmup,
+        "decay_iters": settings.iterations,
+    }
