@@ -4,7 +4,6 @@ in Megatron's contract, and the comparison against the single-process reference.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,15 +12,6 @@ import torch
 from megatron_pp_ext.megatron.model import ModelConfig
 
 MICRO_BATCH = 2
-
-
-def without_redistribution_under_emulation(cases: list[Any]) -> list[Any]:
-    """``cases`` less those with attention redistribution when the whole run emulates NCCL
-    (MEGATRON_PP_EXT_EMULATE_NCCL=1): the partner's service thread keeps a receive posted, which
-    in-order completion hangs (docs/nccl.md; train and the hook refuse it there)."""
-    if os.environ.get("MEGATRON_PP_EXT_EMULATE_NCCL") != "1":
-        return cases
-    return [case for case in cases if not case.redistribution]
 
 
 def tiny_model(num_layers: int, dtype: str = "float32") -> ModelConfig:

@@ -35,7 +35,7 @@ from compose_case import (
 )
 from dist_utils import check_ok, run_ranks
 from exactness import check, check_worst, tolerance, training_tolerance
-from runtime_case import MICRO_BATCH, make_batches, rel_error, without_redistribution_under_emulation
+from runtime_case import MICRO_BATCH, make_batches, rel_error
 
 from megatron_pp_ext.attention.cp_layout import (
     local_positions,
@@ -230,16 +230,14 @@ class Case:
         return "-".join(parts)
 
 
-CP2_PP2 = without_redistribution_under_emulation(
-    [
-        Case("seq1f1b", slices=4, seq_length=48),  # balanced slices of 16, 8, 16, 8 tokens
-        Case("seq1f1b", slices=4, seq_length=48, dtype="float64"),  # no rounding to hide an error in
-        Case("1f1b", microbatches=3, seq_length=16),  # unsliced: CP attention with one slice
-        Case("zb-h1", slices=2),  # the B/W split: the reduce-scatter runs in B
-        Case("slimpipe", slices=4, redistribution=0.5),
-        Case("seq1f1b", slices=2, extra={"calculate_per_token_loss": True}),
-    ]
-)
+CP2_PP2 = [
+    Case("seq1f1b", slices=4, seq_length=48),  # balanced slices of 16, 8, 16, 8 tokens
+    Case("seq1f1b", slices=4, seq_length=48, dtype="float64"),  # no rounding to hide an error in
+    Case("1f1b", microbatches=3, seq_length=16),  # unsliced: CP attention with one slice
+    Case("zb-h1", slices=2),  # the B/W split: the reduce-scatter runs in B
+    Case("slimpipe", slices=4, redistribution=0.5),
+    Case("seq1f1b", slices=2, extra={"calculate_per_token_loss": True}),
+]
 # TP2 (sequence parallel) x CP2, one pipeline stage: a rank's quarter of each slice
 TP2_SP_CP2 = [Case("seq1f1b", slices=2), Case("1f1b", seq_length=16)]
 # CP2 x DP2, one stage: DDP reduces over DP x CP (overlapped, distributed-optimizer layout)

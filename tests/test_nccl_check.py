@@ -3,6 +3,7 @@ sends, in-order completion on one GPU) are caught, naming the rank, op, channel 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from megatron_pp_ext.cli import main
 from megatron_pp_ext.schedule.generators import SCHEDULES, generate
 from megatron_pp_ext.schedule.ir import Op, OpKind, Schedule, format_op
 from megatron_pp_ext.schedule.lowering import insert_offload, insert_p2p, lower
+from megatron_pp_ext.schedule.message_order import order_messages
 from megatron_pp_ext.schedule.nccl_check import Hang, check_nccl, nccl_summary
 from megatron_pp_ext.schedule.nccl_replay import CommOp, Program, Replay, Thread
 from megatron_pp_ext.schedule.redistribute import delegation_plan
@@ -255,18 +257,84 @@ def test_good_schedules_with_full_offload_complete(name: str, pp: int) -> None:
 # ---- SlimPipe's attention redistribution --------------------------------------------------------
 
 
-def test_attention_service_keeps_a_receive_posted() -> None:
-    schedule = generate("slimpipe", 2, 2, slices=4)
+def test_attention_exchanges_hang_in_order_unless_the_message_order_places_them() -> None:
+    """The light op serves its partner on its main thread (runtime/redistribution.py). Lowered
+    without the plan, a rank posts a receive behind its exchange that its peer sent before it:
+    in-order completion hangs. With the exchanges in the message order every rank completes."""
+    schedule = generate("interleaved-1f1b", 2, 2, slices=4)
     plan = delegation_plan(schedule, [1024] * 4, 0.5)
     assert plan
-    lowered = lower(schedule)
-    assert check_nccl(lowered, strict=False, warmed=False, delegations=plan) is None
-    hang = check_nccl(lowered, strict=True, warmed=True, delegations=plan)
-    assert hang is not None and hang.rank == 0
-    assert "queued behind attention header from rank 1 (attention 1->0 pair 0-1)" in hang.reason
-    # the partner (an int) works as well as the plan's Delegation
+    plain = lower(schedule)
+    assert check_nccl(plain, strict=False, warmed=False, delegations=plan) is None
+    hang = check_nccl(plain, strict=True, warmed=True, delegations=plan)
+    assert hang is not None and hang.channel.startswith("attention ")
+    assert "queued behind" in hang.reason or "launched earlier there" in hang.reason, hang.reason
+    ordered = order_messages(plain, exchanges=plan)
+    validate(ordered)
+    for warmed in (True, False):
+        assert check_nccl(ordered, strict=True, warmed=warmed, delegations=plan) is None
+    # a plan that names no light op cannot be checked
     partners = {key: delegation.partner for key, delegation in plan.items()}
-    assert check_nccl(lowered, strict=True, warmed=True, delegations=partners) == hang
+    with pytest.raises(ValueError, match="names no light op"):
+        check_nccl(ordered, strict=True, warmed=True, delegations=partners)
+
+
+def test_exchange_order_refuses_ops_of_different_slots() -> None:
+    schedule = generate("slimpipe", 2, 2, slices=4)
+    plan = delegation_plan(schedule, [1024] * 4, 0.5)
+    (rank, heavy), delegation = next(iter(plan.items()))
+    other = next(op for op in schedule.ranks[delegation.partner] if op != delegation.light and op.is_compute)
+    wrong = {(rank, heavy): dataclasses.replace(delegation, light=other)}
+    with pytest.raises(ValueError, match="do not run in one lock-step slot"):
+        order_messages(lower(schedule), exchanges=wrong)
+
+
+def sliced_cases(pp: int) -> list[tuple[str, int]]:
+    cases = []
+    for name, spec in SCHEDULES.items():
+        least = spec.min_slices(pp, spec.default_vpp)
+        for slices in sorted({max(2, least), max(2 * pp, least)}):
+            cases.append((name, slices))
+    return cases
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_sweep_attention_exchanges_complete_in_order(pp: int) -> None:
+    """Every generator with sequence slices, k = 2 (or the least allowed) and 2p, uniform and
+    uneven slices, with offload (p = 2, 4) and both vocabulary variants (p <= 3): SlimPipe's
+    plan, lowered with its exchanges in the message order, completes under all three rules,
+    warmed up or not, and the light ops include W, S and T (served after the op)."""
+    planned, light_kinds = 0, set()
+    for name, slices in sliced_cases(pp):
+        spec = SCHEDULES[name]
+        microbatches = max(pp, spec.min_microbatches(pp, spec.default_vpp, slices))
+        try:
+            generated = generate(name, pp, microbatches, vpp=spec.default_vpp, slices=slices)
+        except ValueError:
+            continue
+        if generated.slices < 2:
+            continue
+        variants = ("none", "vocab-1", "vocab-2") if pp <= 3 else ("none",)
+        for variant in variants:
+            schedule = generated if variant == "none" else add_vocab_passes(generated, variant)
+            for lengths in ([1024] * slices, [2048] + [512] * (slices - 1)):
+                plan = delegation_plan(schedule, lengths, 0.5)
+                if not plan:
+                    continue
+                planned += 1
+                light_kinds |= {delegation.light.kind for delegation in plan.values()}
+                lowered = lower(schedule)
+                copies = (False, True) if pp in (2, 4) and variant == "none" else (False,)
+                for offload in copies:
+                    base = insert_offload(lowered, lookahead=0) if offload else lowered
+                    ordered = order_messages(base, exchanges=plan)
+                    validate(ordered)
+                    for warmed in (True, False):
+                        hang = check_nccl(ordered, strict=True, warmed=warmed, delegations=plan)
+                        assert hang is None, (name, slices, variant, lengths, offload, hang)
+    assert planned >= len(sliced_cases(pp)) // 2
+    if pp <= 3:
+        assert {OpKind.W, OpKind.S, OpKind.T} & light_kinds, light_kinds
 
 
 # ---- a sweep over the generators ------------------------------------------------------------------

@@ -244,6 +244,12 @@ def _train(*args: str) -> list[dict]:
         pytest.param(  # k = 2p; also run by the runtime-level test above
             "--pp-schedule slimpipe-interleaved --pp-seq-slices 4", marks=pytest.mark.heavy
         ),
+        # k = 2p with SlimPipe's attention redistribution: both ranks hand attention away
+        pytest.param(
+            "--pp-schedule slimpipe-interleaved --pp-seq-slices 4 --pp-slice-partition uniform "
+            "--pp-attn-redistribution 0.5",
+            id="slimpipe-interleaved-k4-redistribution",
+        ),
     ],
 )
 def test_train_under_emulation_gives_the_same_losses(flags: str) -> None:
@@ -253,15 +259,16 @@ def test_train_under_emulation_gives_the_same_losses(flags: str) -> None:
     emulated = _train(*flags.split(), "--pp-emulate-nccl")
     assert [(r["loss"], r["grad_norm"]) for r in emulated] == [(r["loss"], r["grad_norm"]) for r in plain]
     assert "NCCL's rules emulated" in emulated[0]["out"] and "emulated" not in plain[0]["out"]
+    if "--pp-attn-redistribution" in flags:
+        handed = re.findall(r"handed away ([0-9.e-]+)", emulated[0]["out"])
+        assert len(handed) == 2 and all(float(n) > 0 for n in handed), emulated[0]["out"]
 
 
 @pytest.mark.heavy
 def test_the_exactness_matrix_passes_under_emulation() -> None:
     """The runtime's exactness matrix (schedules x slices x offload x vocabulary x TP/SP/CP/DP,
     p = 2..4) with every PipeComm imposing NCCL's creation and launch-order rules
-    (MEGATRON_PP_EXT_EMULATE_NCCL=1): the same checks pass. Attention redistribution is left
-    out: it hangs under in-order completion, and train and the hook refuse it there
-    (docs/nccl.md, test_redistribution.py)."""
+    (MEGATRON_PP_EXT_EMULATE_NCCL=1): the same checks pass, attention redistribution included."""
     import os
     import subprocess
     import sys
@@ -277,6 +284,7 @@ def test_the_exactness_matrix_passes_under_emulation() -> None:
         "tests/test_vocab_parallel_exact.py",
         "tests/test_offload_runtime.py",
         "tests/test_megatron_hook.py",
+        "tests/test_redistribution_runtime.py",
     ]
     done = subprocess.run(
         [
@@ -288,8 +296,6 @@ def test_the_exactness_matrix_passes_under_emulation() -> None:
             "no:cacheprovider",
             "-m",
             "not heavy",
-            "-k",
-            "not redistribution",
             *files,
         ],
         env={**os.environ, EMULATE_NCCL_VARIABLE: "1"},

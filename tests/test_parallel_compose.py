@@ -32,7 +32,6 @@ from runtime_case import (
     forward_step,
     loss_values,
     make_batches,
-    without_redistribution_under_emulation,
 )
 
 STEPS = 3
@@ -59,14 +58,12 @@ class Case:
 
 
 # TP2 x PP2 with sequence parallelism (DP 1): Megatron's DDP without overlap.
-TP_SP = without_redistribution_under_emulation(
-    [
-        Case("1f1b"),
-        Case("zb-h1"),
-        Case("v-zb", microbatches=4),
-        Case("slimpipe", microbatches=2, slices=4, redistribution=0.5),
-    ]
-)
+TP_SP = [
+    Case("1f1b"),
+    Case("zb-h1"),
+    Case("v-zb", microbatches=4),
+    Case("slimpipe", microbatches=2, slices=4, redistribution=0.5),
+]
 # PP2 x DP2: overlapped grad reduce with the distributed optimizer's bucket layout.
 DP = [
     Case("interleaved-1f1b", overlap_grad_reduce=True, distributed_optimizer=True),

@@ -4,8 +4,8 @@ In one process: sliced attention that hands its oldest K/V slices to a (here in-
 equals plain causal attention in output and every gradient, and refuses autograd-only backends. On
 gloo processes: SlimPipe steps with ``attn_redistribution`` on give the loss and ALL gradients of
 the unsliced, unpipelined reference (fp32, within the suite's rule ``exactness.py``; the tiny model
-has GQA, 4 heads over 2 KV heads), over two steps in a row (service threads start and stop every
-step); what one rank hands away is exactly what its partners served; per lock-step slot the
+has GQA, 4 heads over 2 KV heads), over two steps in a row (each light op serves its partner on
+its rank's main thread); what one rank hands away is exactly what its partners served; per lock-step slot the
 attention work across ranks is more even than without; the Megatron hook takes the flag; a partner
 that fails is named, and the rank waiting on it names the op and the partner.
 """

@@ -9,8 +9,10 @@ forward-only pass when the slicing is known, or by ``release(m)``.
 
 With attention redistribution (SlimPipe) the runtime also sets ``current_delegation`` around
 each F/B/BW op that hands its oldest K/V slices to a partner rank (the backward runs later under
-autograd and reads the delegation of the B op running then, not its F's), and ``delegating``
-for a step in which any op of the chunk does, so the layers pick an explicit kernel. Sliced
+autograd and reads the delegation of the B op running then, not its F's), ``current_service``
+around each op that serves a partner's (its attention calls serve one request each), and
+``delegating`` for a step in which any op of the chunk delegates, so the layers pick an explicit
+kernel. Sliced
 attention counts the query-key pairs it computes here and those it hands away.
 """
 
@@ -22,7 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from .cache import LayerCache
-from .remote import RemoteKeys
+from .remote import PartnerService, RemoteKeys
 from .slicing import SlicingError, check_slicing, slice_offsets
 
 
@@ -43,6 +45,7 @@ class SliceContext:
         self._current: tuple[int, int] | None = None
         self._caches: dict[tuple[int, Hashable], LayerCache] = {}
         self.current_delegation: RemoteKeys | None = None  # set by the runtime per F/B op
+        self.current_service: PartnerService | None = None  # set by the runtime per light op
         self.delegating = False  # some op of this step delegates: the layers need a kernel
         # Query-key pairs x passes (forward 1, backward 2) x sequences, summed over layers:
         # computed here, and handed to partners.

@@ -34,7 +34,7 @@ from .cache import LayerCache
 from .cp_comm import gather_kv
 from .cp_layout import pieces_of
 from .merge import merge_partials
-from .sliced import PairCounter, _bhsd, _delegation, _sbhd
+from .sliced import PairCounter, _bhsd, _delegation, _sbhd, serve_partner
 
 Target = tuple[int, int] | None  # where a block's K/V gradient goes: slice keys [lo, hi), or the prefix
 
@@ -96,6 +96,7 @@ class _ContextParallelSliceAttention(torch.autograd.Function):
         pieces: tuple[int, int],
     ) -> Tensor:
         cache.check_forward(index)
+        serve_partner(context)
         qb, kb, vb = _bhsd(q), _bhsd(k), _bhsd(v)
         c = qb.shape[2] // len(pieces)
         delegation = _delegation(context, index, backend, cache.name)
@@ -139,6 +140,7 @@ class _ContextParallelSliceAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cache, index, scale, backend, context, pieces = ctx.meta
         cache.check_backward(index)
+        serve_partner(context)
         qb, kb, vb, doutb = _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(dout)
         c = qb.shape[2] // len(pieces)
         delegation = _delegation(context, index, backend, cache.name)

@@ -32,6 +32,12 @@ class Pending(Protocol[T]):
     def wait(self) -> T: ...
 
 
+class PartnerService(Protocol):
+    """The light op's side: serve the partner's next request (or take its DONE)."""
+
+    def serve_one(self) -> None: ...
+
+
 class RemoteKeys(Protocol):
     """The oldest ``oldest_slices`` K/V slices of the running op are attended elsewhere.
     Tensors are [b, heads, s, d]; ``kernel`` names the backend both sides use."""

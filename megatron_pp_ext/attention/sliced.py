@@ -16,7 +16,8 @@ earlier K/V as one non-causal block and their own as a square causal block, merg
 recompute it in the backward, so they keep nothing but q/k/v. The concatenation is a temporary
 copy; the cache itself only holds aliases.
 
-With a ``context`` (the chunk's SliceContext) whose ``current_delegation`` is set, the oldest
+With a ``context`` (the chunk's SliceContext) whose ``current_service`` is set (a light op), each
+call first serves one request of its partner rank. With ``current_delegation`` set, the oldest
 slices of the prefix are attended by a partner rank (``remote.py``): forward sends the request,
 runs the local blocks meanwhile and merges the partner's (out, lse) with them; backward does
 the same with the kernel backward and hands the partner's dk/dv of the oldest slices to the
@@ -83,6 +84,15 @@ def _split(
     return past, dk[:, :, cut:], dv[:, :, cut:]
 
 
+def serve_partner(context: PairCounter | None) -> None:
+    """A light op's attention call first serves one request of the heavy op paired with it
+    (SlimPipe's redistribution: the runtime sets ``current_service`` around a light op, so the
+    two ops go layer by layer side by side); nothing otherwise."""
+    service = getattr(context, "current_service", None)
+    if service is not None:
+        service.serve_one()
+
+
 def _delegation(context: PairCounter | None, index: int, backend, name: str) -> RemoteKeys | None:
     """The running op's delegation, checked against this slice and backend (None: none)."""
     delegation = None if context is None else context.current_delegation
@@ -122,6 +132,7 @@ class _SliceAttention(torch.autograd.Function):
         context: PairCounter | None,
     ):
         cache.check_forward(index)
+        serve_partner(context)
         qb, kb, vb = _bhsd(q), _bhsd(k), _bhsd(v)
         delegation = _delegation(context, index, backend, cache.name)
         lse = None
@@ -157,6 +168,7 @@ class _SliceAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cache, index, scale, backend, context = ctx.meta
         cache.check_backward(index)
+        serve_partner(context)
         qb, kb, vb, doutb = _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(dout)
         delegation = _delegation(context, index, backend, cache.name)
         start = 0 if delegation is None else delegation.oldest_slices

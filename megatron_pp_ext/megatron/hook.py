@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -178,14 +177,6 @@ class PipelineOptions:
                 f"add {slices} K (K >= 2) with a sliced schedule such as slimpipe, or set it to 0",
                 REDISTRIBUTION,
             )
-        if cap and launch_order_applies(self.emulate_nccl):
-            why = "--pp-emulate-nccl" if self.emulate_nccl else "CUDA_DEVICE_MAX_CONNECTIONS=1"
-            raise OptionError(
-                f"would hang under {why}: each partner's service thread keeps a receive posted, and "
-                "a GPU that completes its communication in launch order stops every later transfer "
-                f"behind it (docs/nccl.md); set it to 0, or run without {why}",
-                REDISTRIBUTION,
-            )
 
     def offload_policy(self, ratio: float | None = None) -> OffloadPolicy:
         try:
@@ -215,20 +206,14 @@ class PipelineOptions:
             raise OptionError(message, flags.get(error.flag, error.flag)) from None
 
 
-def launch_order_applies(emulate_nccl: bool) -> bool:
-    """Whether communication completes in launch order across communicators (NCCL's rule 3):
-    on a GPU with one hardware connection (``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron
-    asks for with TP/SP), or on gloo under ``--pp-emulate-nccl`` (``runtime/launch_order.py``)."""
-    return emulate_nccl or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
-
-
 def check_under_nccl(schedule: Schedule) -> None:
     """Refuse, before the first step, a schedule that would hang under NCCL as the runtime runs
     it (``schedule/nccl_check.py``): every communicator created up front in one global order
     (``runtime/creation.py``), rendezvous sends and completion in launch order across
     communicators (lowering puts the step's messages in one global order,
-    ``schedule/message_order.py``). SlimPipe's attention redistribution is not in the check (its
-    plan needs the slice lengths): docs/nccl.md."""
+    ``schedule/message_order.py``). SlimPipe's attention redistribution needs the slice lengths
+    for its plan: the runtime checks the schedule with it before its first step
+    (``runtime/executor.prepare``)."""
     from ..schedule.nccl_check import check_nccl
 
     hang = check_nccl(schedule, strict=True, warmed=True)

@@ -41,7 +41,9 @@ from torch import Tensor
 from ..schedule.gate import ValidationGate, gate_at_start, validation_gate
 from ..schedule.ir import Op, OpKind, Schedule
 from ..schedule.lowering import lower
+from ..schedule.message_order import order_messages
 from ..schedule.models import megatron_shape
+from ..schedule.nccl_check import check_nccl
 from ..schedule.validate import validate
 from .context_parallel import check_cp_slices, context_parallel_group, cp_size_of
 from .creation import Communicator
@@ -49,7 +51,7 @@ from .grad_sync import GradSync
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, OffloadStats
 from .p2p import PeerError, PipeComm, PostedRecv
-from .redistribution import AttentionCounts, Redistribution, StepRedistribution
+from .redistribution import AttentionCounts, Plan, Redistribution, StepRedistribution
 from .slicing import SliceFn, StepSlicing, plan_slices
 from .stage import ForwardStepFunc, LossRecord, StageRunner, deallocate
 from .vocab_ops import FORWARD_KINDS as VOCAB_FORWARD_KINDS
@@ -93,9 +95,10 @@ class _StepArgs:
     forward_only: bool
     collect_non_loss_data: bool
     tensor_shape: Sequence[int] | ShapeFn | None
-    slice_lengths: Sequence[int] | None
+    slice_lengths: tuple[int, ...]  # empty for a whole-sequence schedule
     slice_batch: SliceFn | None
     vocab_parallel: bool
+    plan: Plan  # SlimPipe's attention delegations (empty without)
 
 
 class _Replay:
@@ -139,16 +142,31 @@ class _RngState:
         self.tracker.set_states(self.tracked)
 
 
-def prepare(schedule: Schedule, forward_only: bool = False) -> Schedule:
-    """The lowered, validated schedule the executor runs (forward ops only if ``forward_only``)."""
+def prepare(schedule: Schedule, forward_only: bool = False, exchanges: Plan | None = None) -> Schedule:
+    """The lowered, validated schedule the executor runs (forward ops only if ``forward_only``),
+    its messages in the order that also places SlimPipe's attention ``exchanges`` (the plan of
+    the schedule as run: ``forward_part`` of it if ``forward_only``)."""
     lowered = lower(schedule)
     validate(lowered)
     if forward_only:
-        # Forwards depend only on forwards, so dropping every backward op keeps a valid
-        # execution order and the order of every forward channel.
-        keep = (OpKind.F, OpKind.SEND_F, OpKind.RECV_F, *VOCAB_FORWARD_KINDS)
-        lowered = lowered.with_ranks([[op for op in ops if op.kind in keep] for ops in lowered.ranks])
+        lowered = forward_part(lowered)
+    if exchanges:
+        lowered = order_messages(lowered, exchanges=exchanges)
+        hang = check_nccl(lowered, strict=True, warmed=True, delegations=exchanges)
+        if hang is not None:  # the message order is built not to: a bug, named before any step
+            raise ValueError(
+                f"--pp-attn-redistribution: {schedule.name} with its attention exchanges would hang "
+                f"under NCCL: {hang.message()}; set --pp-attn-redistribution 0"
+            )
     return lowered
+
+
+def forward_part(schedule: Schedule) -> Schedule:
+    """The forward ops of ``schedule`` (lowered or not). Forwards depend only on forwards, so
+    dropping every backward op keeps a valid execution order and the order of every forward
+    channel."""
+    keep = (OpKind.F, OpKind.SEND_F, OpKind.RECV_F, *VOCAB_FORWARD_KINDS)
+    return schedule.with_ranks([[op for op in ops if op.kind in keep] for ops in schedule.ranks])
 
 
 class PipelineRuntime:
@@ -241,9 +259,14 @@ class PipelineRuntime:
             raise ValueError(
                 f"schedule {schedule.name} has pp={schedule.pp}, the pipeline has {self.comm.size} ranks"
             )
-        key = (schedule.to_json(), forward_only)
+        lengths = self._slice_lengths(schedule, tensor_shape, slice_lengths)
+        # SlimPipe's plan for the schedule as run (collective the first time), and the message
+        # order that places its attention exchanges
+        as_run = forward_part(schedule) if forward_only else schedule
+        plan = self.redistribution.plan(as_run, lengths) if lengths else {}
+        key = (schedule.to_json(), forward_only, lengths if plan else ())
         if key not in self._prepared:
-            self._prepared[key] = prepare(schedule, forward_only)
+            self._prepared[key] = prepare(schedule, forward_only, plan)
         lowered = self._prepared[key]
         stages = lowered.placement.stages_of(self.rank)
         if len(stages) != len(self.chunks):
@@ -272,9 +295,10 @@ class PipelineRuntime:
             forward_only,
             collect_non_loss_data,
             tensor_shape,
-            slice_lengths,
+            lengths,
             slice_batch,
             vocab_parallel,
+            plan,
         )
         gate_at, in_flight = 0, []
         at_start = forward_only or gate_at_start(lowered, bool(self.redistribution.cap))
@@ -324,7 +348,7 @@ class PipelineRuntime:
         """One run of the step's ops. ``gate``: (settle, position), raising :class:`_Restart` when
         the forwards run before it must run again. ``drain``: RECV ops whose messages, sent by
         peers before a restart, are taken off their channels and dropped first."""
-        schedule, lowered, forward_step_func = step.schedule, step.lowered, step.forward_step_func
+        lowered, forward_step_func = step.lowered, step.forward_step_func
         forward_only, collect_non_loss_data = step.forward_only, step.collect_non_loss_data
         tensor_shape, slice_lengths, slice_batch = step.tensor_shape, step.slice_lengths, step.slice_batch
         vocab_parallel = step.vocab_parallel
@@ -355,23 +379,19 @@ class PipelineRuntime:
         }
         shape_of = self.shape_of if tensor_shape is None else _shape_fn(tensor_shape)
         slicing = None
-        if lowered.slices > 1:
+        if slice_lengths:
             full = self.tensor_shape if tensor_shape is None else tensor_shape
-            slicing = self._slicing(lowered, full, slice_lengths, slice_batch, iterators)
+            slicing = StepSlicing(slice_lengths, self.chunks, iterators, slice_batch)
             iterators = slicing.feeders
             if not callable(full):
                 shape_of = slicing.shape_fn(full)
-        # the plan is collective the first time
-        plan = {} if slicing is None else self.redistribution.plan(schedule, slicing.lengths)
-        warmed = (id(lowered), len(self.redistribution.links()))  # before any service thread listens
+        warmed = (id(lowered), len(self.redistribution.links()))
         if self.warm_up and warmed not in self._warmed:
             self.comm.creation.warm_up(self._communicators(lowered, vocab_parallel))
             self._warmed.add(warmed)
         redistribution = None
         if slicing is not None:
-            redistribution = self.redistribution.begin(
-                plan, lowered.ranks[self.rank], slicing.contexts, lowered.placement
-            )
+            redistribution = self.redistribution.begin(step.plan, slicing.contexts, lowered.placement)
         sync = GradSync(
             self.config,
             self.chunks,
@@ -407,7 +427,8 @@ class PipelineRuntime:
                 attention = redistribution.finish()
         except BaseException as error:
             sync.finish()
-            failure = None if redistribution is None else redistribution.abandon()
+            if redistribution is not None:
+                redistribution.abandon()
             self.offload.discard()
             for runner in runners.values():
                 runner.discard()
@@ -421,8 +442,6 @@ class PipelineRuntime:
                 run.settle_received()
                 raise
             self.comm.abandon()
-            if failure is not None and failure not in str(error):
-                raise PeerError(f"{failure}; then the step failed: {error}") from error
             raise
         is_loss_rank = lowered.loss_rank == self.rank
         losses = [run.losses.outputs[mb] for mb in sorted(run.losses.outputs)]
@@ -440,14 +459,14 @@ class PipelineRuntime:
         )
         return self.last_result
 
-    def _slicing(
-        self,
-        schedule: Schedule,
-        full_shape: Sequence[int] | ShapeFn,
-        lengths: Sequence[int] | None,
-        cut: SliceFn | None,
-        iterators: list[Iterator[Any] | None],
-    ) -> StepSlicing:
+    def _slice_lengths(
+        self, schedule: Schedule, tensor_shape: Sequence[int] | ShapeFn | None, lengths: Sequence[int] | None
+    ) -> tuple[int, ...]:
+        """The step's slice lengths (empty for a whole-sequence schedule): ``lengths``, or the
+        schedule's partition of the activation shape's sequence."""
+        if schedule.slices < 2:
+            return ()
+        full_shape = self.tensor_shape if tensor_shape is None else tensor_shape
         if lengths is None:
             if callable(full_shape):
                 raise ValueError(
@@ -458,7 +477,7 @@ class PipelineRuntime:
         if len(lengths) != schedule.slices:
             raise ValueError(f"{len(lengths)} slice lengths for a schedule with {schedule.slices} slices")
         check_cp_slices(lengths, self.config)
-        return StepSlicing(lengths, self.chunks, iterators, cut)
+        return tuple(lengths)
 
     def _iterators(self, data_iterators: Any) -> list[Iterator[Any] | None]:
         if isinstance(data_iterators, (list, tuple)):
@@ -572,8 +591,6 @@ class _StepRun:
 
     def execute(self) -> None:
         comm = self.rt.comm
-        if self.redistribution is not None:
-            self.redistribution.start()
         if self.sync is not None:
             self.sync.begin()
         for position, op in enumerate(self.schedule.ranks[self.rt.rank]):
@@ -635,6 +652,10 @@ class _StepRun:
             raise _Restart()
 
     def _run(self, op: Op) -> None:
+        with self._attention(op):
+            self._dispatch(op)
+
+    def _dispatch(self, op: Op) -> None:
         kind = op.kind
         if kind == OpKind.F:
             self._forward(op)
@@ -718,17 +739,18 @@ class _StepRun:
             self.outbox[(direction, op.stage, op.microbatch, op.slice)] = item
 
     def _attention(self, op: Op) -> Any:
-        """The op's attention delegation (SlimPipe redistribution), if the step has any."""
-        if self.redistribution is None:
+        """Around an op: its attention counted, and its part in SlimPipe's redistribution (a
+        heavy op's delegation, a light op's service), if the step has any."""
+        if self.redistribution is None or not self.redistribution.involves(op):
             return nullcontext()
-        return self.redistribution.running(self.schedule.placement.chunk_index(op.stage), op)
+        return self.redistribution.running(op)
 
     def _forward(self, op: Op) -> None:
         runner = self.runners[op.stage]
         input_tensor = None if runner.is_first else self._take("F", op.stage, op)
         fed = self.vocab.embedding(op) if self.vocab is not None and runner.is_first else None
         chunk_index = self.schedule.placement.chunk_index(op.stage)
-        with self.slicing.running(chunk_index, op) if self.slicing else nullcontext(), self._attention(op):
+        with self.slicing.running(chunk_index, op) if self.slicing else nullcontext():
             output = runner.forward(
                 (op.microbatch, op.slice),
                 input_tensor,
@@ -756,8 +778,7 @@ class _StepRun:
             output_grad = self.vocab.output_grad(op) if self.vocab is not None else None
         else:
             output_grad = self._take("B", op.stage, op)
-        with self._attention(op):
-            input_grad = runner.backward((op.microbatch, op.slice), output_grad, split)
+        input_grad = runner.backward((op.microbatch, op.slice), output_grad, split)
         if not runner.is_first:
             if input_grad is None:
                 raise PipelineError(f"rank {self.rt.rank}: {op} produced no input gradient")

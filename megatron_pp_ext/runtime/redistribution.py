@@ -7,30 +7,35 @@ the plan out:
 * :class:`Redistribution` (one per runtime) turns a schedule and its slice lengths into the plan
   and creates one process group per ordered pair (delegating rank, partner) that the plan uses,
   collectively and in sorted order on every rank (they all compute the same plan).
-* :class:`StepRedistribution` (one per step) starts a service THREAD per rank that delegates to
-  this one. The thread receives a small header (kind and shapes; STOP ends it), then the
-  tensors, computes the non-causal partial attention with the kernel the header names (forward:
-  ``(out, lse)``; backward, given dout and the merged out/lse: ``(dq, dk, dv)``) and sends the
-  result back. It keeps nothing between requests, so forward and backward may go to different
-  partners. Around each F/B/BW op the executor sets the chunk's ``SliceContext
-  .current_delegation`` to a :class:`PartnerAttention`, which sliced attention calls (it
-  overlaps the partner's work with its own local blocks).
+* :class:`StepRedistribution` (one per step) runs both sides of each pair on the ranks' main
+  threads. Around the heavy op the chunk's ``SliceContext.current_delegation`` is a
+  :class:`PartnerAttention`, which sliced attention calls at every layer: it sends a small
+  header (kind and shapes) and the tensors, runs its own local blocks meanwhile and waits for the
+  answer (forward: ``(out, lse)``; backward, given dout and the merged out/lse: ``(dq, dk, dv)``);
+  after the op it sends DONE. Around the light op of the same slot the chunk's
+  ``current_service`` is a :class:`_Service`: each attention call of the light op first serves
+  one request (header, tensors, the non-causal partial attention with the kernel the header
+  names, the answer back), and after the op the rest are served until DONE.
 
-Each pair's group is used by exactly one thread on each side (the delegating rank's main thread,
-the partner's service thread for it), so no group is shared between threads, as NCCL wants; on
-gloo it is simply one channel per direction of delegation. Every receive has the runtime's
-deadline (``p2p.PipeComm``): a dead peer gives a :class:`PeerError` naming the rank, the op and
-the peer. A rank sends STOP to a partner right after its last op that delegates to it in the
-step (at once if the step has none), so a service thread never idles through the rest of a step;
-threads are joined at step end and their errors raised there, naming both ranks.
+Why on the main thread, inside the light op, and not in a thread of its own: NCCL completes a
+GPU's communication in launch order (``CUDA_DEVICE_MAX_CONNECTIONS=1``, docs/nccl.md rule 3). A
+service thread keeps a receive posted from the start of the step, and every transfer its rank
+launches later waits behind it. Served inside the light op, the pair's exchange has one place in
+each rank's launch order, the slot's end, and the step's message order puts every other
+transfer before or after it on both ranks (``schedule/message_order.py``, ``exchanges``), which
+``schedule/nccl_check.py`` proves for every generator. Serving one request per attention call
+keeps the two ops layer by layer side by side, as the paper overlaps them.
+
+Each pair's group is used by the main thread of each side only, as NCCL wants. Every receive has
+the runtime's deadline (``p2p.PipeComm``): a dead peer gives a :class:`PeerError` naming the
+rank, the op and the peer; a failed request names both ranks.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,15 +47,16 @@ from ..attention import SliceContext, SlicedCoreAttention
 from ..attention.backends import KERNEL_NAMES, kernel_named
 from ..attention.math_kernel import compute_dtype
 from ..attention.remote import serve_backward, serve_forward
-from ..schedule.ir import Op, Schedule
+from ..schedule.ir import Op, OpKind, Schedule
 from ..schedule.redistribute import Delegation, check_cap, delegation_plan, plan_links
 from .p2p import PeerError, PipeComm
 
-STOP, FORWARD, BACKWARD = 0, 1, 2
+DONE, FORWARD, BACKWARD = 0, 1, 2
 HEADER = 11  # kind, kernel, dtype, b, h, sq, g, nk, d, dv, scale
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 Plan = dict[tuple[int, Op], Delegation]
 Spec = tuple[tuple[int, ...], torch.dtype]
+ATTENTION_KINDS = (OpKind.F, OpKind.B, OpKind.BW)  # ops that run attention layers
 
 
 @dataclass
@@ -205,40 +211,52 @@ class PartnerAttention:
         shapes = [(tuple(q.shape), q.dtype), (tuple(k.shape), q.dtype), (tuple(v.shape), q.dtype)]
         return _Request(self.channel, sends, self.channel.post(shapes, what), what)
 
-    def stop(self) -> None:
-        """Tell the partner's service thread for this rank that the step has no more requests."""
-        self.channel.wait(self.channel.send([_header(STOP)], "attention STOP"), "attention STOP to")
+    def done(self) -> None:
+        """Tell the partner that this op has no more requests (its light op may end)."""
+        self.channel.wait(self.channel.send([_header(DONE)], "attention DONE"), "attention DONE to")
 
 
 # ---- the partner side -----------------------------------------------------------------------
 
 
 class _Service:
-    """Serves one source rank's requests in a thread until its STOP."""
+    """Serves one source rank's heavy op on this rank's main thread, inside the light op of the
+    same slot: one request per attention call of the light op (``serve_one``), the rest after
+    it (``serve_rest``), until the source's DONE."""
 
     def __init__(self, channel: _Channel) -> None:
         self.channel = channel
         self.served = 0
         self.requests = 0
-        self.error: BaseException | None = None
-        name = f"attention-service-{channel.comm.rank}-for-{channel.peer}"
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self.thread.start()
+        self.open = False  # between the light op's start and the source's DONE
 
-    def _loop(self) -> None:
-        device = self.channel.device
+    def begin(self) -> None:
+        self.open = True
+
+    def serve_one(self) -> None:
+        """Serve the source's next request, or take its DONE; nothing once DONE came."""
+        if not self.open:
+            return
         try:
-            with torch.cuda.device(device) if device.type == "cuda" else nullcontext(), torch.no_grad():
-                while self._serve_one():
-                    pass
-        except BaseException as error:  # raised in the main thread at step end
-            self.error = error
+            with torch.no_grad():
+                self.open = self._serve_one()
+        except PeerError:
+            raise
+        except Exception as error:
+            raise PeerError(
+                f"rank {self.channel.comm.rank}: the attention service for rank {self.channel.peer} "
+                f"failed after {self.requests} requests: {type(error).__name__}: {error}"
+            ) from error
+
+    def serve_rest(self) -> None:
+        while self.open:
+            self.serve_one()
 
     def _serve_one(self) -> bool:
         what = "attention request"
         (header,) = self.channel.recv([((HEADER,), torch.float64)], what)
         kind = int(header[0])
-        if kind == STOP:
+        if kind == DONE:
             return False
         shapes = _Shapes.read(header)
         kernel = kernel_named(shapes.kernel)
@@ -260,29 +278,6 @@ class _Service:
         self.requests += 1
         self.channel.wait(self.channel.send(answer, "attention answer"), "attention answer to")
         return True
-
-    def failure(self) -> str | None:
-        """What went wrong in the thread, naming this rank and the source rank (None: nothing)."""
-        if self.error is None:
-            return None
-        return (
-            f"rank {self.channel.comm.rank}: the attention service for rank {self.channel.peer} failed "
-            f"after {self.requests} requests: {type(self.error).__name__}: {self.error}"
-        )
-
-    def check(self) -> None:
-        failure = self.failure()
-        if failure is not None:
-            raise PeerError(failure) from self.error
-
-    def join(self, timeout_s: float) -> None:
-        self.thread.join(timeout_s)
-        if self.thread.is_alive():
-            raise PeerError(
-                f"rank {self.channel.comm.rank}: the attention service for rank {self.channel.peer} "
-                f"got no STOP within {timeout_s:.1f}s"
-            )
-        self.check()
 
 
 # ---- per runtime and per step ---------------------------------------------------------------
@@ -336,29 +331,27 @@ class Redistribution:
         """(source, partner) pipeline ranks -> the group of their link, for the plans made so far."""
         return dict(self._groups)
 
-    def begin(
-        self, plan: Plan, ops: Sequence[Op], contexts: Sequence[SliceContext], placement: Any
-    ) -> StepRedistribution:
-        return StepRedistribution(self, plan, ops, contexts, placement)
+    def begin(self, plan: Plan, contexts: Sequence[SliceContext], placement: Any) -> StepRedistribution:
+        return StepRedistribution(self, plan, contexts, placement)
 
     def channel(self, source: int, partner: int, peer: int, device: torch.device) -> _Channel:
         return _Channel(self.comm, self._groups[(source, partner)], peer, device)
 
 
 class StepRedistribution:
-    """One step on one rank: the service threads for the ranks that delegate here, the
-    delegations of this rank's ops, STOPs, and the counts."""
+    """One step on one rank: the delegations of this rank's heavy ops, the services of its light
+    ops, and the counts."""
 
     def __init__(
         self,
         owner: Redistribution,
         plan: Plan,
-        ops: Sequence[Op],
         contexts: Sequence[SliceContext],
         placement: Any,
     ) -> None:
         self.comm = owner.comm
         self.contexts = list(contexts)
+        self.placement = placement
         self.counts = AttentionCounts()
         rank = self.comm.rank
         device = _device(owner.chunks)
@@ -373,68 +366,64 @@ class StepRedistribution:
             if source == rank
         }
         self.delegations = {op: d for (r, op), d in plan.items() if r == rank}
-        self._last_use: dict[Op, list[int]] = {}  # op -> partners whose last request it is
-        last: dict[int, Op] = {}
-        for op in ops:
-            if op in self.delegations:
-                last[self.delegations[op].partner] = op
-        for partner, op in last.items():
-            self._last_use.setdefault(op, []).append(partner)
-        self._unused = [partner for partner in self.partners if partner not in last]
+        self.serves = {d.light: self.services[r] for (r, _), d in plan.items() if d.partner == rank}
         stages = placement.stages_of(rank)
         for index, context in enumerate(self.contexts):
             context.delegating = any(op.stage == stages[index] for op in self.delegations)
-        self._stopped: set[int] = set()
 
-    def start(self) -> None:
-        """First thing in the step: STOP the partners that no op of this step delegates to
-        (a forward-only pass whose delegations are all backward ones)."""
-        for partner in self._unused:
-            self._stop(partner)
+    def involves(self, op: Op) -> bool:
+        """Whether :meth:`running` has anything to do around ``op``."""
+        return op.kind in ATTENTION_KINDS or op in self.serves
 
     @contextmanager
-    def running(self, chunk_index: int, op: Op) -> Iterator[None]:
-        """Around an F/B/BW op: the chunk's delegation for it, and its attention counted."""
-        context = self.contexts[chunk_index]
+    def running(self, op: Op) -> Iterator[None]:
+        """Around any op of the step: for a heavy F/B/BW its delegation (then DONE), for a light
+        op the service of its partner (one request per attention call, the rest after it); an
+        F/B/BW's attention counted."""
+        context = None
+        if op.kind in ATTENTION_KINDS:
+            context = self.contexts[self.placement.chunk_index(op.stage)]
         delegation = self.delegations.get(op)
+        service = self.serves.get(op)
+        if context is None:
+            if service is not None:
+                service.begin()
+            yield
+            if service is not None:
+                service.serve_rest()
+            return
         if delegation is not None:
             channel = self.partners[delegation.partner]
             context.current_delegation = PartnerAttention(channel, delegation.oldest_slices, str(op))
+        if service is not None:
+            service.begin()
+            context.current_service = service
         local, remote = context.pairs_local, context.pairs_remote
         try:
             yield
         finally:
             context.current_delegation = None
+            context.current_service = None
+        if delegation is not None:
+            PartnerAttention(self.partners[delegation.partner], 0, str(op)).done()
+        if service is not None:
+            service.serve_rest()
         self.counts.own[op] = self.counts.own.get(op, 0) + context.pairs_local - local
         if context.pairs_remote > remote:
             self.counts.delegated[op] = self.counts.delegated.get(op, 0) + context.pairs_remote - remote
-        for partner in self._last_use.get(op, []):
-            self._stop(partner)
-        for service in self.services.values():
-            service.check()  # a failed service thread stops the step at the next op
-
-    def _stop(self, partner: int) -> None:
-        if partner not in self._stopped:
-            self._stopped.add(partner)
-            PartnerAttention(self.partners[partner], 0, "STOP").stop()
 
     def finish(self) -> AttentionCounts:
-        """STOP every partner not stopped yet, join the service threads, raise their errors."""
-        for partner in self.partners:
-            self._stop(partner)
+        """The counts of the step; every light op has served its partner until DONE."""
         for source, service in self.services.items():
-            service.join(self.comm.timeout_s + 5.0)
             self.counts.served[source] = service.served
         return self.counts
 
-    def abandon(self) -> str | None:
-        """After a failed step: no delegation stays set (service threads end at their timeout).
-        Returns what a failed service thread reported, which may be why the step failed."""
+    def abandon(self) -> None:
+        """After a failed step: no delegation or service stays set."""
         for context in self.contexts:
             context.current_delegation = None
+            context.current_service = None
             context.delegating = False
-        failures = [f for f in (s.failure() for s in self.services.values()) if f is not None]
-        return "; ".join(failures) or None
 
 
 def _device(chunks: Sequence[torch.nn.Module]) -> torch.device:

@@ -25,38 +25,53 @@ moves each RECV and each vocabulary collective to its place in the list:
 Ties in time are broken the same way on every rank: computes before collectives before sends,
 then by sender and position. Only the timing of the replay decides the list, so every rank
 derives the same one from the same schedule.
+
+SlimPipe's attention redistribution (``exchanges``: the plan of ``redistribute.delegation_plan``)
+adds one more kind of message: in a lock-step slot the heavy op and the light op of a pair talk
+while they run (the heavy one's requests, the light one's answers). The pair's exchange takes the
+place of the slot's end in the list, on both ranks: the two ops become fixed items with that key,
+so every receive and collective that comes before it in the list is posted before either op and
+none after it. The replay then uses the slots' own timing (every compute one unit, messages
+instant: ``redistribute.lockstep_slots``), so the two ops of a pair end at the same time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from .costs import UniformCosts
 from .ir import COLLECTIVE_KINDS, Op, OpKind, Schedule
 from .replay import message_key, replay
+from .slots import slot_costs
 from .vocab import CHANNELS, Layout, default_costs
 
 SENDS = frozenset({OpKind.SEND_F, OpKind.SEND_B})
 RECVS = frozenset({OpKind.RECV_F, OpKind.RECV_B})
-# classes of a key (time, class, ...): at one time, computes end before collectives complete
-# before sends go out
-COMPUTE, COLLECTIVE, SEND = 1, 2, 3
+# classes of a key (time, class, ...): at one time, computes end before attention exchanges
+# complete before collectives complete before sends go out
+COMPUTE, EXCHANGE, COLLECTIVE, SEND = 1, 2, 3, 4
 
 Key = tuple[Any, ...]
 
 
-def order_messages(schedule: Schedule, costs: Any = None) -> Schedule:
+def order_messages(
+    schedule: Schedule, costs: Any = None, exchanges: Mapping[tuple[int, Op], Any] | None = None
+) -> Schedule:
     """``schedule`` (lowered) with its RECVs and vocabulary collectives moved so that every rank
     launches its communication in one global order. ``costs``: the replay's cost model (default:
-    uniform, with the vocabulary passes' own costs); every rank must use the same."""
+    uniform, with the vocabulary passes' own costs; lock-step slots with ``exchanges``); every
+    rank must use the same. ``exchanges``: ``{(rank, heavy op): delegation}`` (with ``.partner``
+    and ``.light``), SlimPipe's plan for this schedule."""
     if schedule.pp < 2 or not schedule.is_lowered:
         return schedule
     if costs is None:
-        costs = _ordering_costs(schedule)
+        costs = slot_costs(schedule) if exchanges else _ordering_costs(schedule)
     result = replay(schedule, costs)
     compute_end = {(event.rank, event.op): event.end for event in result.events}
     completion = {(event.rank, event.op): event.end for event in result.collectives}
     channel_index: dict[tuple[int, str], int] = {}
+    exchange_keys = _exchange_keys(schedule, exchanges or {}, compute_end)
 
     sends: dict[tuple[str, int, int, int], Key] = {}
     fixed_keys: list[list[Key | None]] = []
@@ -69,7 +84,7 @@ def order_messages(schedule: Schedule, costs: Any = None) -> Schedule:
                 keys.append(sends[message_key(op)])
             elif (rank, op) in compute_end:
                 last_end = compute_end[(rank, op)]
-                keys.append((last_end, COMPUTE))
+                keys.append(exchange_keys.get((rank, op), (last_end, COMPUTE)))
             else:
                 keys.append(None)
         fixed_keys.append(keys)
@@ -95,8 +110,9 @@ def _merge(
     ops: list[Op], keys: list[Key | None], movable: list[tuple[Key, Op]], layout: Layout, rank: int
 ) -> list[Op]:
     """One rank's ops with its movable ops (sorted by key) put back: each as late as the order
-    allows (a receive right before the send that must follow it, or its consumer: as Megatron
-    posts it, and after the validation gate of the forwards before it), except a collective,
+    allows (a receive right before the send or attention exchange that must follow it, or its
+    consumer: as Megatron posts it, and after the validation gate of the forwards before it),
+    except a collective,
     issued before the first compute that ends after it completes (its last member reaches it
     then: issuing it later would hold every other member back)."""
     where = {_consumed_key(op): index for index, (_, op) in enumerate(movable)}
@@ -107,9 +123,10 @@ def _merge(
             continue
         upto = taken - 1
         if key is not None:
+            talks = op.kind in SENDS or key[1] == EXCHANGE  # launches communication itself
             index = taken
             while index < len(movable) and movable[index][0] < key:
-                if op.kind in SENDS or movable[index][1].kind in COLLECTIVE_KINDS:
+                if talks or movable[index][1].kind in COLLECTIVE_KINDS:
                     upto = index
                 index += 1
         for needed in _consumes(op, layout, rank):
@@ -140,6 +157,25 @@ def _consumes(op: Op, layout: Layout, rank: int) -> list[tuple[Any, ...]]:
         if needed is not None:
             found.append((needed.kind, needed.microbatch, needed.slice))
     return found
+
+
+def _exchange_keys(
+    schedule: Schedule, exchanges: Mapping[tuple[int, Op], Any], compute_end: dict[tuple[int, Op], float]
+) -> dict[tuple[int, Op], Key]:
+    """(rank, op) -> the key of its attention exchange, the same for the heavy op and the light
+    op of a pair: the slot's end, then the heavy rank and op. Both must end together."""
+    keys: dict[tuple[int, Op], Key] = {}
+    for (rank, heavy), delegation in exchanges.items():
+        light = (delegation.partner, delegation.light)
+        end = compute_end.get((rank, heavy))
+        if end is None or compute_end.get(light) != end:
+            raise ValueError(
+                f"attention exchange of rank {rank}'s {heavy} with rank {light[0]}'s {light[1]}: the "
+                "two ops do not run in one lock-step slot of this schedule"
+            )
+        key = (end, EXCHANGE, rank, heavy.kind.value, heavy.stage, heavy.microbatch, heavy.slice)
+        keys[(rank, heavy)] = keys[light] = key
+    return keys
 
 
 def _ordering_costs(schedule: Schedule) -> Any:

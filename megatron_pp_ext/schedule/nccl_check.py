@@ -31,10 +31,11 @@ waits for. How each op is issued:
   reduce) land on the default stream it shares with the main thread as soon as REDUCE_S is
   issued. Every send and receive launched after a stream wait runs after what it waited for.
 * SlimPipe's attention redistribution (``delegations``, from ``redistribute.delegation_plan``):
-  a delegating op sends a small header and its Q/K/V on the pair's own group, posts the answer's
-  receive and waits for all three; after its last delegation to a partner it sends STOP. The
-  partner serves in a thread that, from the start of the step, posts the next header's receive
-  and waits for it, then the request, then sends the answer and waits for it.
+  the heavy op sends a small header and its Q/K/V on the pair's own group, posts the answer's
+  receive and waits for all three, then sends a small DONE header. The partner serves it on its
+  main thread, inside the light op of the same lock-step slot: it receives the header and the
+  request, sends the answer and waits for both, then receives the DONE. (Per attention layer the
+  request and answer repeat; one of each stands for them here, their order being the same.)
 * OFFLOAD/RELOAD copies and compute talk to no other rank.
 
 Left out: collectives outside the pipeline (tensor, context and data parallel groups: the same
@@ -195,31 +196,27 @@ class _Model:
         everyone = range(schedule.pp)
         for group in (*VOCAB_GROUPS.values(), WORKER_GROUP):
             replay.comm(group, everyone)
-        # (source, partner) -> the source's delegating ops to the partner, with their positions
-        self.requests: dict[tuple[int, int], list[tuple[int, Op]]] = defaultdict(list)
-        for rank, ops in enumerate(schedule.ranks):
-            for position, op in enumerate(ops):
-                if (rank, op) in delegations:
-                    self.requests[(rank, _partner(delegations[(rank, op)]))].append((position, op))
-        self.delegated = {
-            (rank, op): partner for (rank, partner), ops in self.requests.items() for _, op in ops
-        }
+        # (rank, heavy op) -> partner; (partner, light op) -> the (source rank, heavy op) it serves
+        self.delegated: dict[tuple[int, Op], int] = {}
+        self.serves: dict[tuple[int, Op], list[tuple[int, Op]]] = defaultdict(list)
+        for (rank, op), delegation in sorted(delegations.items(), key=lambda item: item[0][0]):
+            partner = _partner(delegation)
+            self.delegated[(rank, op)] = partner
+            light = getattr(delegation, "light", None)
+            if light is None:
+                raise ValueError(f"the delegation of rank {rank}'s {format_op(op)} names no light op")
+            self.serves[(partner, light)].append((rank, op))
         self.vocab: dict[tuple[int, str, int, int], Unit] = {}
         # (rank, direction, stage, microbatch, slice) -> the posted receive of that message
         self.received: dict[tuple[int, str, int, int, int], tuple[Unit, CommOp]] = {}
         self.mains: list[Thread] = []
-        for rank in everyone:  # helpers first: they start before the step's first op
-            services = []
-            for source, partner in sorted(self.requests):
-                if partner == rank:
-                    services.append(Thread(rank, f"attention service for rank {source}"))
-                    replay.start(services[-1], self._serve(services[-1], source))
+        for rank in everyone:  # the helper first: it starts before the step's first op
             if self.variant == "vocab-2":
                 worker = Thread(rank, "vocab-2 worker")
                 replay.start(worker, self._worker(worker))
             main = Thread(rank, "main")
             self.mains.append(main)
-            replay.start(main, self._main(main, services))
+            replay.start(main, self._main(main))
 
     # ---- helpers for the programs ----------------------------------------------------------
 
@@ -250,7 +247,7 @@ class _Model:
 
     # ---- the main thread (executor._StepRun.execute) ---------------------------------------
 
-    def _main(self, thread: Thread, services: list[Thread]) -> Program:
+    def _main(self, thread: Thread) -> Program:
         rank = thread.rank
         ops = self.schedule.ranks[rank]
         runs = _batches(ops) if self.batch else {p: [p] for p, op in enumerate(ops) if op.is_comm}
@@ -268,16 +265,14 @@ class _Model:
                 yield from self._settle_reduce_s(thread, op)
             elif op.is_compute:
                 yield from self._compute(thread, op, position)
+            for source, heavy in self.serves.get((rank, op), []):  # a light op (any kind)
+                yield from self._serve(thread, op, position, source, heavy)
         thread.phase = "the end-of-step flush"
         for unit in sent:
             if not unit.done:
                 first = unit.first_open()
                 thread.position, thread.op = first.position, first.source
                 yield ("unit", unit)
-        thread.phase = "the end of the step (attention services)"
-        for service in services:
-            if not service.finished:
-                yield ("thread", service)
 
     def _p2p(self, thread: Thread, positions: list[int], sent: list[Unit]) -> Program:
         rank = thread.rank
@@ -345,6 +340,7 @@ class _Model:
     # ---- SlimPipe's attention redistribution (runtime/redistribution.py) -------------------
 
     def _delegate(self, thread: Thread, op: Op, position: int, partner: int) -> Program:
+        """The heavy op: header and request out, the answer back (``_Request.wait``), DONE."""
         rank = thread.rank
         comm = self.replay.comm(attention_channel(rank, partner), (rank, partner))
         name = format_op(op)
@@ -354,33 +350,25 @@ class _Model:
         units = []
         for item in (header, payload, answer):
             units.append((yield from self._launch(thread, [item])))
-        for unit in reversed(units):  # the answer, then the sends (_Request.wait)
+        for unit in reversed(units):  # the answer, then the sends
             yield from self._wait(thread, unit)
-        if self.requests[(rank, partner)][-1][1] == op:
-            stop = CommOp(rank, comm, "send", f"attention STOP after {name}", op, position, partner, True)
-            yield from self._wait(thread, (yield from self._launch(thread, [stop])))
+        done = CommOp(rank, comm, "send", f"attention DONE after {name}", op, position, partner, True)
+        yield from self._wait(thread, (yield from self._launch(thread, [done])))
 
-    def _serve(self, thread: Thread, source: int) -> Program:
-        """The partner's service thread: header, request, answer, until STOP."""
+    def _serve(self, thread: Thread, op: Op, position: int, source: int, heavy: Op) -> Program:
+        """The light op serves the heavy op of its slot: header, request, answer, then DONE."""
         rank = thread.rank
         comm = self.replay.comm(attention_channel(source, rank), (source, rank))
-        requests = self.requests[(source, rank)]
-        for index in range(len(requests) + 1):
-            _, op = requests[min(index, len(requests) - 1)]
-            thread.position, thread.op = -1, op
-            header = CommOp(rank, comm, "recv", f"attention header from rank {source}", op, -1, source)
-            yield from self._wait(thread, (yield from self._launch(thread, [header])))
-            if index == len(requests):
-                return
-            name = format_op(op)
-            request = CommOp(
-                rank, comm, "recv", f"attention request of rank {source}'s {name}", op, -1, source
-            )
-            answer = CommOp(
-                rank, comm, "send", f"attention answer for rank {source}'s {name}", op, -1, source
-            )
-            for item in (request, answer):
-                yield from self._wait(thread, (yield from self._launch(thread, [item])))
+        name = f"rank {source}'s {format_op(heavy)}"
+        steps = (
+            ("recv", f"attention header of {name}"),
+            ("recv", f"attention request of {name}"),
+            ("send", f"attention answer for {name}"),
+            ("recv", f"attention DONE after {name}"),
+        )
+        for role, what in steps:
+            item = CommOp(rank, comm, role, what, op, position, source)
+            yield from self._wait(thread, (yield from self._launch(thread, [item])))
 
     # ---- vocab-2's REDUCE_S worker (vocab_parallel.VocabParallel._reduce_input_grad) -------
 

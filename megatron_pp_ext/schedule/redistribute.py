@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .costs import UniformCosts
 from .flops import FlopCosts
 from .ir import Op, OpKind, Schedule
 from .partition import causal_pairs
+from .slots import slot_costs
 
 ATTENTION_PASSES = {OpKind.F: 1.0, OpKind.B: 2.0, OpKind.BW: 2.0, OpKind.W: 0.0}
 
@@ -46,35 +46,12 @@ def attention_time(costs: FlopCosts, op: Op) -> float:
     return ATTENTION_PASSES.get(op.kind, 0.0) * flops / (costs.peak_flops * costs.utilisation)
 
 
-@dataclass
-class _SlotCosts:
-    """Every compute op one unit, messages instant: the lock-step slots of a schedule."""
-
-    base: Any
-
-    def duration(self, op: Op) -> float:
-        return 1.0
-
-    def comm_latency(self, op: Op) -> float:
-        return 0.0
-
-    def copy_time(self, op: Op) -> float:
-        return 0.0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.base, name)
-
-
 def lockstep_slots(schedule: Schedule, costs: Any = None) -> dict[tuple[int, Op], int]:
     """(rank, compute op) -> the slot it runs in under unit durations and instant messages.
     ``costs`` only supplies what the replay asks besides durations (default: unit costs)."""
     from .simulate import simulate
 
-    if costs is None:
-        costs = UniformCosts(
-            num_stages=schedule.num_stages, num_slices=schedule.slices, chunks_per_rank=schedule.vpp
-        )
-    result = simulate(schedule, _SlotCosts(costs))
+    result = simulate(schedule, slot_costs(schedule, costs))
     return {(event.rank, event.op): round(event.start) for event in result.events}
 
 

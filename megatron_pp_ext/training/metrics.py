@@ -194,8 +194,8 @@ def report_ranks(
                 moved = f"  offloaded {item['offloaded_mib']:.2f} MiB/step"
             if item["attention"] is not None and settings.pipeline.attn_redistribution:
                 own, served, away = (n / 1e6 for n in item["attention"])
-                moved += f"  attention Mpairs computed {own + served:.1f} (served {served:.1f})"
-                moved += f", handed away {away:.1f}"
+                moved += f"  attention Mpairs computed {own + served:.3g} (served {served:.3g})"
+                moved += f", handed away {away:.3g}"
             if item["communicators"] is not None:
                 count, seconds, emulated = item["communicators"]
                 rule = ", NCCL's rules emulated" if emulated else ""
