@@ -113,3 +113,61 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly_then_the_run_resumes_exact
     reference = [json.loads(line) for line in (fresh / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in after] == list(range(1, iterations + 1))
     assert [r["loss"] for r in after] == [r["loss"] for r in reference]
+
+
+SAVE_KILLED_AT = 10  # rank 0 dies renaming this iteration's checkpoint into place
+
+
+def dies_renaming_the_checkpoint(rank: int, world_size: int, local_rank: int, settings) -> None:
+    """train's own worker, except that rank 0 is killed (SIGKILL) at the moment it renames
+    ``iter_{SAVE_KILLED_AT}.tmp`` into place: every rank has written its shards, and the
+    checkpoint is not complete yet. Deterministic, unlike a kill timed from outside."""
+    from megatron_pp_ext.training.worker import worker
+
+    if rank == 0:
+        rename = os.rename
+
+        def dying(source, target) -> None:
+            if Path(source).name == f"iter_{SAVE_KILLED_AT:07d}.tmp":
+                os.kill(os.getpid(), signal.SIGKILL)
+            rename(source, target)
+
+        os.rename = dying
+    worker(rank, world_size, local_rank, settings)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_saving_leaves_the_last_checkpoint_whole(tmp_path: Path, capfd) -> None:
+    from megatron_pp_ext import launch
+    from megatron_pp_ext.commands.train import settings_from_argv
+    from megatron_pp_ext.megatron.checkpoint import read_tracker
+    from megatron_pp_ext.training.worker import fatal_message
+
+    ckpt = tmp_path / "ckpt"
+    argv = [*JOB, "--train-iters", "12", "--save", str(ckpt), "--pp-p2p-timeout", "5"]
+    settings = settings_from_argv(argv, world_size=None)
+    with pytest.raises(launch.WorkerDied) as died:
+        launch.run(dies_renaming_the_checkpoint, 4, settings, grace_s=settings.timeout + 10)
+    assert re.match(r"rank 0 ended \(killed by SIGKILL\)", str(died.value)), died.value
+    # the save cut short left its staging directory; the tracker still names iteration 5, whole
+    assert read_tracker(ckpt) == 5
+    assert (ckpt / f"iter_{SAVE_KILLED_AT:07d}.tmp").is_dir()
+    assert not (ckpt / f"iter_{SAVE_KILLED_AT:07d}").exists()
+    assert (ckpt / "iter_0000005" / "metadata.json").is_file()
+    line = fatal_message(settings, died.value, others="the other ranks stopped")
+    assert f"the last checkpoint is {ckpt / 'iter_0000005'}" in line and f"--load {ckpt}" in line, line
+    # each survivor said in one line where it was: saving iteration 10's checkpoint
+    err = capfd.readouterr().err
+    survivors = re.findall(r"megatron-pp-ext train: rank (\d): error: (.*)", err)
+    assert {rank for rank, _ in survivors} == {"1", "2", "3"}, err
+    assert all("saving the checkpoint of iteration 10" in text for _, text in survivors), survivors
+    assert "Traceback" not in err, err
+    # the same command with --load resumes from iteration 5, saves 10 over the leftover, ends
+    # (saving 12, the last)
+    resumed = start(tmp_path, 12, "--load", str(ckpt))
+    _, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err
+    assert read_tracker(ckpt) == 12 and not (ckpt / f"iter_{SAVE_KILLED_AT:07d}.tmp").exists()
+    assert (ckpt / f"iter_{SAVE_KILLED_AT:07d}" / "metadata.json").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows][-7:] == list(range(6, 13)), rows

@@ -53,9 +53,10 @@ def _fatal(rank: int, settings: TrainSettings, error: BaseException) -> None:
     """One line naming the rank and the failure (p2p errors name the op and the peer) and the
     checkpoint to resume from; then exit at once: with a peer gone, tearing down the process
     groups could hang."""
-    print(f"megatron-pp-ext train: rank {rank}: error: {fatal_message(settings, error)}", file=sys.stderr)
-    sys.stderr.flush()
+    line = f"megatron-pp-ext train: rank {rank}: error: {fatal_message(settings, error)}\n"
     sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(2, line.encode())  # one write: the survivors' lines do not interleave on a shared stderr
     os._exit(1)
 
 
