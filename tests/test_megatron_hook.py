@@ -78,7 +78,9 @@ def test_install_with_megatron_args_fails_early_naming_the_flag() -> None:
         hook.uninstall()
 
 
-def megatron_step_worker(rank: int, world: int, schedule_name: str, microbatches: int) -> dict:
+def megatron_step_worker(
+    rank: int, world: int, schedule_name: str, microbatches: int, losses_on_last_rank: bool = False
+) -> dict:
     from megatron.core import pipeline_parallel
 
     from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
@@ -86,7 +88,12 @@ def megatron_step_worker(rank: int, world: int, schedule_name: str, microbatches
 
     training = _training_module()  # imported get_forward_backward_func before the hook
     init_parallel_state(world)
-    installed = hook.install(schedule=schedule_name, p2p_timeout=60)
+    installed = hook.install(
+        schedule=schedule_name,
+        p2p_timeout=60,
+        losses_on_last_rank=losses_on_last_rank,
+        emulate_nccl=losses_on_last_rank,  # NCCL's creation rule on the pair the losses take
+    )
     model_cfg = tiny_model(num_layers=2 * world)
     torch.manual_seed(3)
     reference = build_reference(model_cfg)
@@ -126,7 +133,25 @@ def megatron_step_worker(rank: int, world: int, schedule_name: str, microbatches
             for kind in ("F", "B", "W", "BW")
         },
         "core_patched": also_core,
+        "lazy_creations": installed.last_creation.lazy,  # first uses no warm-up created
     }
+
+
+def test_v_shape_losses_reach_the_last_rank_over_a_pair_created_before_the_step() -> None:
+    """pretrain_gpt.py's path (``losses_on_last_rank``): V-Half computes the loss on rank 0 and
+    the hook sends the loss dicts to the last rank, where Megatron-LM's loop reads them, over the
+    world group's pair of the two. NCCL creates that pair at its first use: the hook creates it
+    before the step, so under emulation nothing is first used unwarmed."""
+    world, microbatches = 2, 3
+    results = check_ok(run_ranks(megatron_step_worker, world, "v-half", microbatches, True, timeout=180))
+    assert results[0]["is_loss_rank"] and results[0]["loss_count"] == 0
+    assert results[1]["loss_count"] == microbatches
+    check(
+        results[1]["loss_error"],
+        training_tolerance(tiny_model(num_layers=2 * world), microbatches, 1),
+        "loss",
+    )
+    assert [r["lazy_creations"] for r in results] == [[], []]
 
 
 @pytest.mark.parametrize("schedule_name", ["1f1b", "zb-h1", "v-half"])

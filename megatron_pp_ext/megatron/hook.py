@@ -206,6 +206,19 @@ class PipelineOptions:
             raise OptionError(message, flags.get(error.flag, error.flag)) from None
 
 
+def _losses_pair(runtime: Any, schedule: Schedule) -> Any:
+    """The world group's pair (loss rank, last rank) that ``_move_losses`` talks over. NCCL
+    creates it at its first use, blocking both: the hook creates it before the first step, the
+    two ranks first (nothing else is pending on either then; the other ranks do not wait for it),
+    so the step's own warm-up and order are untouched."""
+    from ..runtime.creation import Communicator
+
+    ranks = runtime.comm.ranks
+    source, last = schedule.loss_rank, schedule.pp - 1
+    members = tuple(sorted((ranks[source], ranks[last])))
+    return Communicator(1, members, f"losses pair {source}-{last}", None, ranks[source])
+
+
 def check_under_nccl(schedule: Schedule) -> None:
     """Refuse, before the first step, a schedule that would hang under NCCL as the runtime runs
     it (``schedule/nccl_check.py``): every communicator created up front in one global order
@@ -352,13 +365,16 @@ class Installed:
             schedule = self.auto_offload(schedule, runtime, kwargs["seq_length"])
         if self.wrap_forward_step is not None:
             kwargs = {**kwargs, "forward_step_func": self.wrap_forward_step(kwargs["forward_step_func"])}
+        moves_losses = self.losses_on_last_rank and schedule.loss_rank != schedule.pp - 1
+        if moves_losses:  # before the step's own warm-up: see _losses_pair
+            runtime.comm.creation.warm_up([_losses_pair(runtime, schedule)])
         waited = runtime.comm.wait_seconds
         gate = None if kwargs.get("forward_only") else self.gate
         losses = forward_backward(runtime, schedule, gate=gate, **kwargs)
         self.last_result = runtime.last_result
         self.last_wait_seconds = runtime.comm.wait_seconds - waited
         self.last_creation = runtime.comm.creation  # the communicators warmed up, and in how long
-        if self.losses_on_last_rank and schedule.loss_rank != schedule.pp - 1:
+        if moves_losses:
             losses = self._move_losses(runtime, schedule, losses)
         return losses
 
@@ -368,6 +384,7 @@ class Installed:
 
         rank = runtime.comm.rank
         ranks = runtime.comm.ranks
+        runtime.comm.creation.use(_losses_pair(runtime, schedule), "moving the losses")  # warmed
         if rank == schedule.loss_rank:
             cpu = [{key: value.detach().cpu() for key, value in item.items()} for item in losses]
             dist.send_object_list([cpu], dst=ranks[schedule.pp - 1])
