@@ -412,3 +412,30 @@ def test_simulate_reports_nccl(capsys, tmp_path) -> None:
     assert line.startswith("NCCL: in-order hangs, relaxed completes, lazy creation completes: rank 0 waits")
     summary = nccl_summary(generate("1f1b", 1, 2))
     assert summary == {"strict": None, "relaxed": None, "lazy_creation": None}
+
+
+# ---- optimizer post-validation after the step ---------------------------------------------------
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_post_validation_after_the_step_completes_for_every_chain_of_every_generator(pp: int) -> None:
+    """The global all-reduce launched first, then the chain (receive from the previous rank, send
+    to the next): for each generator's own chain (``completion_order``) and its reverse, under
+    rules 1-3, warmed up or not (its communicators are created at first use: the all-reduce by
+    every rank at once, the chain's pairs in chain order)."""
+    from megatron_pp_ext.schedule.iterations import completion_order
+
+    checked = 0
+    for name, spec in SCHEDULES.items():
+        slices = max(1, spec.min_slices(pp, spec.default_vpp))
+        microbatches = max(pp, spec.min_microbatches(pp, spec.default_vpp, slices))
+        generated = generate(name, pp, microbatches, vpp=spec.default_vpp, slices=slices)
+        chain = completion_order(generated)
+        lowered = lower(generated)
+        for order in (chain, list(reversed(chain))):
+            for warmed in (True, False):
+                assert check_nccl(lowered, strict=True, warmed=warmed, chain=order) is None, (name, order)
+        checked += 1
+    assert checked == len(SCHEDULES)
+    with pytest.raises(ValueError, match="is not an order of the"):
+        check_nccl(lower(generate("1f1b", pp, pp)), chain=[0] * pp)

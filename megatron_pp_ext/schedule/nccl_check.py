@@ -38,17 +38,21 @@ waits for. How each op is issued:
   request and answer repeat; one of each stands for them here, their order being the same.)
 * OFFLOAD/RELOAD copies and compute talk to no other rank.
 
+* Optimizer post-validation (``chain``, the order the partial gradient state visits the ranks,
+  ``megatron/post_validation.py``): after the step's flush every rank launches the global
+  all-reduce, then receives the partial state from the rank before it in the chain (the host
+  waits) and sends it on to the next without waiting (a small message).
+
 Left out: collectives outside the pipeline (tensor, context and data parallel groups: the same
-on every replica, so they cannot order one pipeline's ranks differently), the post-validation
-all-reduce and chain (between steps). A helper thread is taken to launch the moment it may: the
-runtime makes that so, the main thread reserving the helper's places in its launch order
-(``runtime/launch_order.py``, ``Launcher.reserve``).
+on every replica, so they cannot order one pipeline's ranks differently). A helper thread is
+taken to launch the moment it may: the runtime makes that so, the main thread reserving the
+helper's places in its launch order (``runtime/launch_order.py``, ``Launcher.reserve``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +71,7 @@ VOCAB_GROUPS: dict[OpKind, str] = {
     OpKind.BCAST_DEMB: "vocab-emb",
 }
 WORKER_GROUP = "vocab-out"  # vocab-2's REDUCE_S reduce, issued by the worker thread
+POST_VALIDATION_GROUP = "post-validation all-reduce"  # the model-parallel group's
 SENDS = frozenset({OpKind.SEND_F, OpKind.SEND_B})
 Launch = Generator[Condition, None, Unit]
 
@@ -116,6 +121,7 @@ def check_nccl(
     warmed: bool = False,
     batch: bool = False,
     delegations: Mapping[tuple[int, Op], Any] | None = None,
+    chain: Sequence[int] | None = None,
 ) -> Hang | None:
     """None if ``schedule`` completes one step under NCCL's rules, else where it hangs.
 
@@ -123,14 +129,15 @@ def check_nccl(
     communicator exists before the step (no lazy creation). ``batch``: a runtime that sends all
     p2p on one group (torch batches only ops of one group) and issues each run of adjacent
     SEND/RECV ops (copies between them ignored) as one ``batch_isend_irecv``. ``delegations``:
-    SlimPipe's plan, ``{(rank, op): Delegation}`` (anything with ``.partner``, or the partner).
+    SlimPipe's plan, ``{(rank, op): Delegation}`` (with ``.partner`` and ``.light``). ``chain``:
+    optimizer post-validation after the step, its partial state visiting the ranks in this order.
     The schedule should pass ``validate``: messages match in order, as on NCCL."""
     if schedule.pp > 1 and not schedule.is_lowered:
         schedule = lower(schedule)
     if schedule.pp < 2:
         return None
     replay = Replay(schedule.pp, strict, warmed)
-    model = _Model(schedule, replay, batch, delegations or {})
+    model = _Model(schedule, replay, batch, delegations or {}, chain)
     stuck = replay.run()
     if stuck:
         return model.explain(stuck)
@@ -157,6 +164,11 @@ def p2p_channel(sender: int, receiver: int, direction: str, batch: bool = False)
     if batch:
         return f"p2p pair {low}-{high}"
     return f"p2p-{direction}-{'up' if receiver > sender else 'down'} pair {low}-{high}"
+
+
+def post_validation_pair(sender: int, receiver: int) -> str:
+    low, high = sorted((sender, receiver))
+    return f"post-validation pair {low}-{high}"
 
 
 def attention_channel(source: int, partner: int) -> str:
@@ -186,15 +198,23 @@ class _Model:
     """The runtime's threads for every rank of one schedule, as programs on ``replay``."""
 
     def __init__(
-        self, schedule: Schedule, replay: Replay, batch: bool, delegations: Mapping[tuple[int, Op], Any]
+        self,
+        schedule: Schedule,
+        replay: Replay,
+        batch: bool,
+        delegations: Mapping[tuple[int, Op], Any],
+        chain: Sequence[int] | None = None,
     ) -> None:
         self.schedule = schedule
+        self.chain = list(chain) if chain is not None else None
+        if self.chain is not None and sorted(self.chain) != list(range(schedule.pp)):
+            raise ValueError(f"chain {self.chain} is not an order of the {schedule.pp} pipeline ranks")
         self.replay = replay
         self.batch = batch
         self.variant = schedule.vocab_parallel
         self.layout = Layout.of(schedule)
         everyone = range(schedule.pp)
-        for group in (*VOCAB_GROUPS.values(), WORKER_GROUP):
+        for group in (*VOCAB_GROUPS.values(), WORKER_GROUP, POST_VALIDATION_GROUP):
             replay.comm(group, everyone)
         # (rank, heavy op) -> partner; (partner, light op) -> the (source rank, heavy op) it serves
         self.delegated: dict[tuple[int, Op], int] = {}
@@ -273,6 +293,9 @@ class _Model:
                 first = unit.first_open()
                 thread.position, thread.op = first.position, first.source
                 yield ("unit", unit)
+        if self.chain is not None:
+            thread.phase = "optimizer post-validation"
+            yield from self._post_validation(thread)
 
     def _p2p(self, thread: Thread, positions: list[int], sent: list[Unit]) -> Program:
         rank = thread.rank
@@ -369,6 +392,28 @@ class _Model:
         for role, what in steps:
             item = CommOp(rank, comm, role, what, op, position, source)
             yield from self._wait(thread, (yield from self._launch(thread, [item])))
+
+    # ---- optimizer post-validation (megatron/post_validation.PostValidation.begin) ----------
+
+    def _post_validation(self, thread: Thread) -> Program:
+        """The global all-reduce launched, the partial state received from the previous rank of
+        the chain (waited for) and sent to the next (not waited for: the next step's gate does)."""
+        rank = thread.rank
+        assert self.chain is not None
+        place = self.chain.index(rank)
+        reduce = CommOp(rank, POST_VALIDATION_GROUP, "collective", "post-validation all-reduce")
+        yield from self._launch(thread, [reduce])
+        if place > 0:
+            source = self.chain[place - 1]
+            comm = self.replay.comm(post_validation_pair(source, rank), (source, rank))
+            what = f"post-validation partial state from rank {source}"
+            item = CommOp(rank, comm, "recv", what, peer=source)
+            yield from self._wait(thread, (yield from self._launch(thread, [item])))
+        if place + 1 < len(self.chain):
+            target = self.chain[place + 1]
+            comm = self.replay.comm(post_validation_pair(rank, target), (rank, target))
+            what = f"post-validation partial state to rank {target}"
+            yield from self._launch(thread, [CommOp(rank, comm, "send", what, peer=target, eager=True)])
 
     # ---- vocab-2's REDUCE_S worker (vocab_parallel.VocabParallel._reduce_input_grad) -------
 
