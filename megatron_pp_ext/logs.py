@@ -2,7 +2,8 @@
 
 Per iteration, on the rank that reports the loss (Megatron-LM writes on its last rank):
 ``lm loss``, ``learning-rate``, ``grad-norm``, ``iteration-time`` (seconds) and ``batch-size``,
-each also against consumed samples (``... vs samples``) as Megatron-LM logs them. At the end of a
+each also against consumed samples (``... vs samples``) as Megatron-LM logs them, and with
+``--eval-interval`` the validation loss (``lm loss validation``, also ``vs samples``). At the end of a
 run, from the per-rank summary ``train`` prints: each pipeline rank's measured bubble and peak
 activation memory (and, on a GPU, the allocator's peak), tagged per rank. Several processes may
 write into one directory; TensorBoard reads every event file in it.
@@ -57,6 +58,14 @@ class Logs:
                 self.writer.add_scalar(tag, value, iteration)
                 if tag != "iteration-time":
                     self.writer.add_scalar(f"{tag} vs samples", value, samples)
+
+    def validation(self, iteration: int, samples: int, loss: float) -> None:
+        """A validation loss (``--eval-interval``), as Megatron-LM's ``evaluate_and_print_results``
+        tags it."""
+        if self.writer is None:
+            return
+        self.writer.add_scalar("lm loss validation", loss, iteration)
+        self.writer.add_scalar("lm loss validation vs samples", loss, samples)
 
     def ranks(self, iteration: int, rows: list[dict[str, Any]]) -> None:
         """The run's per-rank summary: measured bubble, peak activation and GPU memory (MiB)."""

@@ -131,13 +131,15 @@ def test_tensor_sequence_context_and_data_parallel_runs_give_the_pipeline_only_l
 @pytest.mark.slow
 def test_tensorboard_logs_have_megatron_lm_tags_and_every_rank(tmp_path) -> None:
     """--tensorboard-dir (Megatron's flag): per iteration Megatron-LM's tags with the values the
-    metrics file has; at the end each pipeline rank's bubble and peak activation memory. And
+    metrics file has, the validation loss at --eval-interval; at the end each pipeline rank's
+    bubble and peak activation memory. And
     --log-interval (Megatron's): one Megatron-LM-style line every N iterations."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logs, metrics = tmp_path / "tb", tmp_path / "metrics.jsonl"
     done = train(
-        "--train-iters", "3", "--tensorboard-dir", str(logs), "--metrics", str(metrics), "--log-interval", "2"
+        "--train-iters", "3", "--tensorboard-dir", str(logs), "--metrics", str(metrics),
+        "--log-interval", "2", "--eval-interval", "2", "--eval-iters", "1",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if "lm loss:" in line]
@@ -151,6 +153,12 @@ def test_tensorboard_logs_have_megatron_lm_tags_and_every_rank(tmp_path) -> None
     for tag, key in (("lm loss", "loss"), ("grad-norm", "grad_norm"), ("iteration-time", "step_time")):
         logged = [(event.step, event.value) for event in events.Scalars(tag)]
         assert logged == [(row["iteration"], pytest.approx(row[key], rel=1e-6)) for row in rows], tag
+    # the validation loss after iteration 2, as Megatron-LM tags it
+    validated = [(row["iteration"], row["validation_loss"]) for row in rows if "validation_loss" in row]
+    assert len(validated) == 1 and validated[0][0] == 2, rows
+    (logged,) = events.Scalars("lm loss validation")
+    assert (logged.step, logged.value) == (2, pytest.approx(validated[0][1], rel=1e-6))
+    assert "lm loss validation vs samples" in tags
     for rank in range(4):  # the default config's pipeline
         for tag in ("pipeline-bubble", "mem-activation-peak-mib"):
             (last,) = events.Scalars(f"{tag}/rank {rank}")

@@ -108,6 +108,7 @@ class TrainLog:
         if "validation_loss" in row:
             line = validation_line(iteration, row["validation_loss"])
             progress.write("\n".join(("-" * len(line), line, "-" * len(line))))
+            self.logs.validation(iteration, row["samples"], row["validation_loss"])
         progress.update(1)
         if self.metrics_file:
             extra = ("validation_loss",) if "validation_loss" in row else ()
