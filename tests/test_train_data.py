@@ -124,3 +124,24 @@ def test_mock_data_trains(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(losses(metrics)) == 3 and all(math.isfinite(loss) for loss in losses(metrics))
+
+
+@pytest.mark.slow
+def test_a_run_resumed_on_an_indexed_dataset_takes_the_next_samples(prefix: Path, tmp_path: Path) -> None:
+    """--save, then --load --ckpt-step 2 of the same command: the checkpoint's consumed samples
+    put the dataset where the run was, so iterations 3 and 4 lose exactly what the uninterrupted
+    run's did (a resume that restarted the data would see the first samples again)."""
+    data = ["--data-path", str(prefix), "--split", "98,2,0", "--tokenizer-type", "NullTokenizer"]
+    data += ["--vocab-size", str(VOCAB), "--global-batch-size", "8", "--train-iters", "4"]
+    command = [*COMMON[2:], *data, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    whole = tmp_path / "whole.jsonl"
+    done = train(*command, "--metrics", str(whole))
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = tmp_path / "resumed.jsonl"
+    done = train(*command, "--load", str(tmp_path / "ckpt"), "--ckpt-step", "2", "--metrics", str(resumed))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "loaded" in done.stdout and "at iteration 2" in done.stdout, done.stdout
+    rows = [json.loads(line) for line in resumed.read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [3, 4]
+    assert losses(resumed) == losses(whole)[2:]
+    assert losses(whole)[2] != losses(whole)[0]
