@@ -15,8 +15,9 @@ setup(
     # megatron-core. torch is not pinned here: install the build for your machine first.
     install_requires=["matplotlib>=3.7", "tqdm>=4.60", "pyyaml>=6"],
     extras_require={
-        # tensorboard: train's --tensorboard-dir (torch.utils.tensorboard writes through it)
-        "runtime": ["torch>=2.4", "megatron-core>=0.16,<0.17", "tensorboard>=2.14"],
+        # tensorboard: train's --tensorboard-dir (torch.utils.tensorboard writes through it);
+        # transformers: --tokenizer-type HuggingFaceTokenizer (megatron-core's tokenizer reads it)
+        "runtime": ["torch>=2.4", "megatron-core>=0.16,<0.17", "tensorboard>=2.14", "transformers>=4.40"],
         "dev": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         # What Megatron-LM's training package (pretrain_gpt.py, its argument parser) imports beyond

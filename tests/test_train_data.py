@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from exactness import check, train_tolerance
@@ -145,3 +146,54 @@ def test_a_run_resumed_on_an_indexed_dataset_takes_the_next_samples(prefix: Path
     assert [row["iteration"] for row in rows] == [3, 4]
     assert losses(resumed) == losses(whole)[2:]
     assert losses(whole)[2] != losses(whole)[0]
+
+
+def write_hugging_face_tokenizer(directory: Path, words: int = 60) -> Any:
+    """A word-level Hugging Face tokenizer (``w0`` .. ``w{words-1}``, ``<eos>`` ends a document),
+    saved as ``save_pretrained`` writes it, built offline with the ``tokenizers`` library."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(words)}}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model, unk_token="<unk>", eos_token="<eos>"
+    )
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
+@pytest.mark.slow
+def test_trains_on_text_tokenized_by_a_local_hugging_face_tokenizer(tmp_path: Path) -> None:
+    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR: documents tokenized with it
+    (as Megatron-LM's tools/preprocess_data.py does) train, the model's vocabulary is the
+    tokenizer's padded as Megatron pads it, and the loss falls."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_pp_ext.megatron import datasets
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer = write_hugging_face_tokenizer(tokenizer_dir)
+    prefix = tmp_path / "corpus" / "text_document"
+    prefix.parent.mkdir()
+    rng = numpy.random.default_rng(0)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.uint16)
+    for _ in range(200):
+        start, length = int(rng.integers(0, 60)), int(rng.integers(20, 120))
+        text = " ".join(f"w{(start + i) % 60}" for i in range(length))
+        ids = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+        builder.add_document(numpy.array(ids), [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    options = datasets.DataOptions(
+        data_path=(str(prefix),), tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tokenizer_dir)
+    )
+    assert datasets.check(options, None, tp=1) == 128  # 62 ids, padded to 128
+    metrics = tmp_path / "hf.jsonl"
+    done = train(
+        *COMMON, "--data-path", str(prefix), "--split", "98,2,0", "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", str(tokenizer_dir), "--global-batch-size", "8", "--metrics", str(metrics),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = losses(metrics)
+    assert len(trained) == 3 and all(math.isfinite(loss) for loss in trained) and trained[-1] < trained[0]

@@ -6,9 +6,11 @@ takes them: ``PREFIX`` or ``W1 PREFIX1 W2 PREFIX2 ...``) builds megatron-core's 
 for a weighted list, its ``BlendedDataset``, split by ``--split``; ``--mock-data`` builds its
 ``MockGPTDataset``. Both go through ``BlendedMegatronDatasetBuilder`` with a ``GPTDatasetConfig``
 as Megatron-LM's ``pretrain_gpt.py`` fills it (``core_gpt_dataset_config_from_args``), with
-megatron-core's ``NullTokenizer`` (``--tokenizer-type NullTokenizer --vocab-size N``: ids 0..N-1
-and the end-of-document id N). The model's vocabulary is the tokenizer's padded as Megatron-LM
-pads it: to a multiple of ``--make-vocab-size-divisible-by`` x TP.
+megatron-core's tokenizer: ``--tokenizer-type NullTokenizer --vocab-size N`` (ids 0..N-1 and the
+end-of-document id N), or ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` (a
+local Hugging Face tokenizer directory, as ``save_pretrained`` writes it; the ``transformers``
+package reads it; its end-of-sentence token ends a document). The model's vocabulary is the
+tokenizer's padded as Megatron-LM pads it: to a multiple of ``--make-vocab-size-divisible-by`` x TP.
 
 Samples go out as Megatron's pretraining sampler hands them: microbatch k of the run holds samples
 k x MBS .. (k+1) x MBS - 1, data-parallel rank d takes the microbatches k = d (mod DP), and a
@@ -26,7 +28,8 @@ from typing import Any
 from .hook import OptionError
 
 DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's, when --data-path comes without --split
-TOKENIZERS = ("NullTokenizer",)
+TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 def _error(flag: str, message: str) -> OptionError:
@@ -121,19 +124,69 @@ def check(options: DataOptions, text_data: str | None, tp: int) -> int | None:
         raise _error(
             "--tokenizer-type",
             f"{options.tokenizer_type}: train builds megatron-core's NullTokenizer (with --vocab-size) "
-            "only; train other tokenizers with Megatron-LM's pretrain_gpt.py",
-        )
-    if options.tokenizer_model is not None:
-        raise _error("--tokenizer-model", "NullTokenizer reads no tokenizer model: drop --tokenizer-model")
-    if options.vocab_size is None or options.vocab_size < 1:
-        raise _error(
-            "--vocab-size", f"NullTokenizer needs --vocab-size of at least 1, got {options.vocab_size}"
+            "and HuggingFaceTokenizer (with --tokenizer-model DIR); train other tokenizers with "
+            "Megatron-LM's pretrain_gpt.py",
         )
     if options.make_vocab_size_divisible_by < 1:
         raise _error(
             "--make-vocab-size-divisible-by", f"needs at least 1, got {options.make_vocab_size_divisible_by}"
         )
-    return padded_vocab_size(options.vocab_size + 1, options.make_vocab_size_divisible_by, tp)
+    if options.tokenizer_type == "HuggingFaceTokenizer":
+        vocabulary = _check_hugging_face(options)
+    else:
+        if options.tokenizer_model is not None:
+            raise _error(
+                "--tokenizer-model", "NullTokenizer reads no tokenizer model: drop --tokenizer-model"
+            )
+        if options.vocab_size is None or options.vocab_size < 1:
+            raise _error(
+                "--vocab-size", f"NullTokenizer needs --vocab-size of at least 1, got {options.vocab_size}"
+            )
+        vocabulary = options.vocab_size + 1  # and the end-of-document id
+    return padded_vocab_size(vocabulary, options.make_vocab_size_divisible_by, tp)
+
+
+def _check_hugging_face(options: DataOptions) -> int:
+    """A local tokenizer directory that ``transformers`` reads, with an end-of-sentence token;
+    returns its vocabulary size."""
+    if options.vocab_size is not None:
+        raise _error(
+            "--vocab-size", "HuggingFaceTokenizer takes its vocabulary from --tokenizer-model: drop it"
+        )
+    directory = options.tokenizer_model
+    if directory is None:
+        raise _error(
+            "--tokenizer-model", "HuggingFaceTokenizer needs --tokenizer-model DIR (a local directory)"
+        )
+    if not Path(directory).is_dir():
+        raise _error(
+            "--tokenizer-model",
+            f"{directory}: not a directory; give a local Hugging Face tokenizer directory "
+            "(as save_pretrained writes it)",
+        )
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise _error(
+            "--tokenizer-type",
+            "HuggingFaceTokenizer needs the transformers package: pip install transformers",
+        ) from None
+    if not any((Path(directory) / name).is_file() for name in TOKENIZER_FILES):
+        raise _error(
+            "--tokenizer-model",
+            f"{directory}: no tokenizer in it (none of {', '.join(TOKENIZER_FILES)}); give the directory "
+            "save_pretrained wrote",
+        )
+    try:
+        tokenizer = build_tokenizer(options)
+    except Exception as error:
+        first = (str(error).splitlines() or [type(error).__name__])[0]
+        raise _error("--tokenizer-model", f"{directory}: transformers cannot read it: {first}") from None
+    if tokenizer.eod is None:
+        raise _error(
+            "--tokenizer-model", f"{directory}: the tokenizer has no end-of-sentence token to end documents"
+        )
+    return int(tokenizer.vocab_size)
 
 
 def split_weights(options: DataOptions) -> list[float]:
@@ -152,6 +205,10 @@ def build_tokenizer(options: DataOptions) -> Any:
     """megatron-core's tokenizer, as ``megatron.core.tokenizers``' build_tokenizer makes it."""
     from megatron.core.tokenizers import MegatronTokenizer
 
+    if options.tokenizer_type == "HuggingFaceTokenizer":
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=options.tokenizer_model, metadata_path={"library": "huggingface"}
+        )
     assert options.tokenizer_type == "NullTokenizer", options.tokenizer_type  # check() refused others
     return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=options.vocab_size)
 
