@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import tempfile
+import time
 from collections.abc import Callable
+from multiprocessing import connection
 from typing import Any
 
 import torch
@@ -134,6 +137,16 @@ class WorkerDied(Exception):
         self.rank, self.how = rank, how
 
 
+class WorkerHung(WorkerDied):
+    """A rank that stopped answering: still running when the others had ended, waiting for it."""
+
+    def __init__(self, rank: int, waited_s: float) -> None:
+        waited = f"{waited_s:.0f} s" if waited_s >= 1 else f"{waited_s:.1f} s"
+        how = f"still running {waited} after the others ended; stopped"
+        Exception.__init__(self, f"rank {rank} stopped answering ({how})")
+        self.rank, self.how = rank, how
+
+
 def run(
     worker: Callable[..., Any], world_size: int, *args: Any, grace_s: float = 30.0, backend: str | None = None
 ) -> None:
@@ -170,10 +183,36 @@ def run(
     )
     previous = stop.forward_to(context.processes)
     try:
-        while not context.join(grace_period=grace_s):
-            pass
+        _watch(context.processes, grace_s)
+        context.join()  # every rank has ended: torch raises for the first that failed
     except mp.ProcessExitedException as error:
         how = f"killed by {error.signal_name}" if error.signal_name else f"exit code {error.exit_code}"
         raise WorkerDied(error.error_index, how) from None
     finally:
         stop.restore(previous)
+
+
+def _watch(processes: list[Any], grace_s: float) -> None:
+    """Wait until every rank has ended, or one has ended badly; then give the others ``grace_s``
+    to notice it and end on their own, and stop those still running. Raises :class:`WorkerDied`
+    for the rank to blame when it is not the first failure torch would name: a rank killed by a
+    signal (the others then fail waiting for it), else a rank that never ended (it stopped
+    answering: the others timed out waiting for it)."""
+    while True:
+        running = [process for process in processes if process.exitcode is None]
+        if any(process.exitcode for process in processes) or not running:
+            break
+        connection.wait([process.sentinel for process in running], timeout=1.0)
+    deadline = time.monotonic() + grace_s
+    while (running := [p for p in processes if p.exitcode is None]) and time.monotonic() < deadline:
+        connection.wait([process.sentinel for process in running], timeout=deadline - time.monotonic())
+    hung = [rank for rank, process in enumerate(processes) if process.exitcode is None]
+    for rank in hung:
+        processes[rank].kill()
+        processes[rank].join()
+    killed = [rank for rank, p in enumerate(processes) if rank not in hung and (p.exitcode or 0) < 0]
+    if killed:
+        rank = killed[0]
+        raise WorkerDied(rank, f"killed by {signal.Signals(-processes[rank].exitcode).name}")
+    if hung:
+        raise WorkerHung(hung[0], grace_s)
