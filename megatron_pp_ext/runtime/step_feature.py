@@ -14,8 +14,10 @@ offload, attention redistribution, sequence slices: ``features.py`` and the exec
   settles before the messages are flushed, the vocabulary collectives finish before the
   gradients sync, ...);
 - ``discard(error)`` when the attempt failed with ``error`` (or the gate restarts it), in reverse
-  list order, instead of whatever of ``after``/``finish`` did not run: the feature lets go of the
-  step. Every feature is discarded, also one whose ``begin`` never ran.
+  list order (the offload engine waits for its copies before the stages let go of the tensors
+  being copied; the messages and the gate, first in the list, restart or abandon last), instead
+  of whatever of ``after``/``finish`` did not run: the feature lets go of the step. Every
+  feature is discarded, also one whose ``begin`` never ran.
 
 Megatron's schedules hook DDP in the same way (``config.no_sync_func``/``grad_sync_func``);
 :class:`StepFeature` has no-op defaults, so a feature writes only the calls it needs.
