@@ -23,6 +23,14 @@ config's ``no_sync_func`` / ``grad_sync_func`` / ``param_sync_func`` (``grad_syn
 sequence parallelism messages carry this rank's 1/TP of the sequence, under context parallelism
 its 1/CP (its two pieces of every slice, ``attention/cp_layout.py``), and the loss of a sequence
 is normalised over its tokens on all CP ranks (``context_parallel.py``).
+
+Levels: :meth:`PipelineRuntime.step` (checks, plan, the validation gate's restart), then
+``_attempt`` (one run: runners, slices, the step's features), then :meth:`_StepRun.execute` (the
+op loop), then ``_dispatch`` (one op). The per-step features (the validation gate, vocabulary
+parallelism, gradient sync, offload, attention redistribution, slices, and the step's own
+messages and stages) are collaborators, not branches of the loop: each is a ``StepFeature``
+(``step_feature.py``: begin, before an op, after an op, finish, discard; the adapters are in
+``features.py``), and ``_StepRun.features`` lists the ones the lowered schedule needs.
 """
 
 from __future__ import annotations
@@ -47,13 +55,23 @@ from ..schedule.nccl_check import check_nccl
 from ..schedule.validate import validate
 from .context_parallel import check_cp_slices, context_parallel_group, cp_size_of
 from .creation import Communicator
+from .features import (
+    GateFeature,
+    GradSyncFeature,
+    OffloadFeature,
+    RedistributionFeature,
+    Restart,
+    SlicingFeature,
+    VocabFeature,
+)
 from .grad_sync import GradSync
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, OffloadStats
-from .p2p import PeerError, PipeComm, PostedRecv
+from .p2p import PipeComm, PostedRecv
 from .redistribution import AttentionCounts, Plan, Redistribution, StepRedistribution
 from .slicing import SliceFn, StepSlicing, plan_slices
 from .stage import ForwardStepFunc, LossRecord, StageRunner, deallocate
+from .step_feature import OpFailure, PipelineError, StepFeature
 from .vocab_ops import FORWARD_KINDS as VOCAB_FORWARD_KINDS
 from .vocab_ops import VocabSetup, VocabStep
 from .weight_grad import WeightGradStore
@@ -75,14 +93,6 @@ class StepResult:
     offload: OffloadStats | None = None  # what the activation copies did, when the schedule has any
     attention: AttentionCounts | None = None  # attention computed and moved (sliced schedules)
     restarted: bool = False  # post-validation rolled the previous step back: the ops ran twice
-
-
-class PipelineError(RuntimeError):
-    """An op failed; the message names the rank and the op."""
-
-
-class _Restart(Exception):
-    """The validation gate rolled the previous optimizer step back: run the step again."""
 
 
 @dataclass(frozen=True)
@@ -121,25 +131,6 @@ class _Replay:
             None if source is None else itertools.chain(taken, source)
             for source, taken in zip(self._sources, self._taken)
         ]
-
-
-class _RngState:
-    """torch's random state (and the accelerator's) when a step attempt starts, so a restarted
-    step draws the same numbers (dropout)."""
-
-    def __init__(self) -> None:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-        self.tracker = get_cuda_rng_tracker()
-        self.tracked = self.tracker.get_states()
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda)
-        self.tracker.set_states(self.tracked)
 
 
 def prepare(schedule: Schedule, forward_only: bool = False, exchanges: Plan | None = None) -> Schedule:
@@ -313,7 +304,7 @@ class PipelineRuntime:
         replay = _Replay(iterators)
         try:
             return self._attempt(step, replay.iterators, gate=(gate, gate_at))
-        except _Restart:
+        except Restart:
             replay.rewind()
             result = self._attempt(step, replay.iterators, drain=in_flight)
             result.restarted = True
@@ -345,23 +336,63 @@ class PipelineRuntime:
         gate: tuple[Callable[[], bool], int] | None = None,
         drain: Sequence[Op] = (),
     ) -> StepResult:
-        """One run of the step's ops. ``gate``: (settle, position), raising :class:`_Restart` when
+        """One run of the step's ops. ``gate``: (settle, position), raising :class:`Restart` when
         the forwards run before it must run again. ``drain``: RECV ops whose messages, sent by
         peers before a restart, are taken off their channels and dropped first."""
-        lowered, forward_step_func = step.lowered, step.forward_step_func
-        forward_only, collect_non_loss_data = step.forward_only, step.collect_non_loss_data
-        tensor_shape, slice_lengths, slice_batch = step.tensor_shape, step.slice_lengths, step.slice_batch
-        vocab_parallel = step.vocab_parallel
-        stages = lowered.placement.stages_of(self.rank)
+        lowered = step.lowered
+        offload = self._begin_measuring(lowered)
+        runners = self._runners(lowered, offload, step.vocab_parallel)
+        slicing, iterators, shape_of = self._slicing(step, iterators)
+        self._warm_up_once(lowered, step.vocab_parallel)
+        redistribution = None
+        if slicing is not None:
+            redistribution = self.redistribution.begin(step.plan, slicing.contexts, lowered.placement)
+        sync = self._grad_sync(step)
+        run = _StepRun(self, step, runners, iterators, shape_of, slicing)
+        features = run.features(sync, offload, redistribution, gate)
+        try:
+            for op in drain:
+                run.drop_message(op)
+            run.execute(features)
+        except BaseException as error:
+            for feature in reversed(features):
+                feature.discard(error)
+            raise
+        attention = None if redistribution is None else redistribution.counts  # finished
+        self.last_result = self._result(run, offload, attention)
+        return self.last_result
+
+    def _begin_measuring(self, lowered: Schedule) -> OffloadEngine | None:
+        """A fresh activation meter (and peak of device memory) for the attempt; the offload
+        engine, armed if this rank's ops offload (None if they do not)."""
         self.meter = ActivationMeter(enabled=self.measure_memory)
         for chunk in self.chunks:
             self.meter.exclude(chunk.parameters())
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         params = [param for chunk in self.chunks for param in chunk.parameters()]
-        offload = self.offload if self.offload.begin(self.meter, lowered.ranks[self.rank], params) else None
+        return self.offload if self.offload.begin(self.meter, lowered.ranks[self.rank], params) else None
+
+    def _warm_up_once(self, lowered: Schedule, vocab_parallel: bool) -> None:
+        """Create every communicator of ``lowered`` before its first step (``creation.py``)."""
+        warmed = (id(lowered), len(self.redistribution.links()))
+        if self.warm_up and warmed not in self._warmed:
+            self.comm.creation.warm_up(self._communicators(lowered, vocab_parallel))
+            self._warmed.add(warmed)
+
+    def _grad_sync(self, step: _StepArgs) -> GradSync:
+        """Megatron's DDP calls for the attempt; the vocabulary shards' chunk syncs at the end."""
+        late = [self.vocab.chunk_index] if step.vocab_parallel and self.vocab is not None else ()
+        lowered = step.lowered
+        chunk_of = lowered.placement.chunk_index
+        return GradSync(self.config, self.chunks, lowered.ranks[self.rank], chunk_of, step.forward_only, late)
+
+    def _runners(
+        self, lowered: Schedule, offload: OffloadEngine | None, vocab_parallel: bool
+    ) -> dict[int, StageRunner]:
+        """A StageRunner per stage of this rank, for one attempt."""
         deferring = {op.stage for op in lowered.ranks[self.rank] if op.kind in (OpKind.B, OpKind.W)}
-        runners = {
+        return {
             stage: StageRunner(
                 self.chunks[lowered.placement.chunk_index(stage)],
                 stage,
@@ -375,80 +406,28 @@ class PipelineRuntime:
                 cp_group=self.cp_group,
                 vocab_parallel=vocab_parallel,
             )
-            for stage in stages
+            for stage in lowered.placement.stages_of(self.rank)
         }
-        shape_of = self.shape_of if tensor_shape is None else _shape_fn(tensor_shape)
-        slicing = None
-        if slice_lengths:
-            full = self.tensor_shape if tensor_shape is None else tensor_shape
-            slicing = StepSlicing(slice_lengths, self.chunks, iterators, slice_batch)
-            iterators = slicing.feeders
-            if not callable(full):
-                shape_of = slicing.shape_fn(full)
-        warmed = (id(lowered), len(self.redistribution.links()))
-        if self.warm_up and warmed not in self._warmed:
-            self.comm.creation.warm_up(self._communicators(lowered, vocab_parallel))
-            self._warmed.add(warmed)
-        redistribution = None
-        if slicing is not None:
-            redistribution = self.redistribution.begin(step.plan, slicing.contexts, lowered.placement)
-        sync = GradSync(
-            self.config,
-            self.chunks,
-            lowered.ranks[self.rank],
-            lowered.placement.chunk_index,
-            forward_only,
-            late_chunks=[self.vocab.chunk_index] if vocab_parallel and self.vocab is not None else (),
-        )
-        run = _StepRun(
-            self,
-            lowered,
-            runners,
-            iterators,
-            forward_step_func,
-            forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data,
-            shape_of=shape_of,
-            slicing=slicing,
-            redistribution=redistribution,
-            sync=sync,
-            vocab=self.vocab if vocab_parallel else None,
-            gate=gate,
-        )
-        attention = None
-        rng = _RngState() if gate is not None else None
-        try:
-            for op in drain:
-                run.drop_message(op)
-            run.execute()
-            if offload is not None:
-                offload.finish()
-            if redistribution is not None:
-                attention = redistribution.finish()
-        except BaseException as error:
-            sync.finish()
-            if redistribution is not None:
-                redistribution.abandon()
-            self.offload.discard()
-            for runner in runners.values():
-                runner.discard()
-            if run.vocab is not None:
-                run.vocab.discard()
-            if slicing is not None:
-                slicing.release()
-            if isinstance(error, _Restart):
-                assert rng is not None
-                rng.restore()
-                run.settle_received()
-                raise
-            self.comm.abandon()
-            raise
-        is_loss_rank = lowered.loss_rank == self.rank
-        losses = [run.losses.outputs[mb] for mb in sorted(run.losses.outputs)]
-        self.last_result = StepResult(
-            losses=losses,
+
+    def _slicing(
+        self, step: _StepArgs, iterators: list[Iterator[Any] | None]
+    ) -> tuple[StepSlicing | None, list[Iterator[Any] | None], ShapeFn]:
+        """The step's slices (None for a whole-sequence schedule), the iterators its forwards
+        read (the slices' feeders) and the shape of its messages."""
+        shape_of = self.shape_of if step.tensor_shape is None else _shape_fn(step.tensor_shape)
+        if not step.slice_lengths:
+            return None, iterators, shape_of
+        full = self.tensor_shape if step.tensor_shape is None else step.tensor_shape
+        slicing = StepSlicing(step.slice_lengths, self.chunks, iterators, step.slice_batch)
+        return slicing, slicing.feeders, shape_of if callable(full) else slicing.shape_fn(full)
+
+    def _result(
+        self, run: _StepRun, offload: OffloadEngine | None, attention: AttentionCounts | None
+    ) -> StepResult:
+        return StepResult(
+            losses=[run.losses.outputs[mb] for mb in sorted(run.losses.outputs)],
             num_tokens=run.losses.num_tokens,
-            is_loss_rank=is_loss_rank,
+            is_loss_rank=run.schedule.loss_rank == self.rank,
             peak_activation_bytes=self.meter.peak,
             peak_memory_allocated=torch.cuda.max_memory_allocated(self.device)
             if self.device.type == "cuda"
@@ -457,7 +436,6 @@ class PipelineRuntime:
             offload=None if offload is None else offload.stats,
             attention=attention,
         )
-        return self.last_result
 
     def _slice_lengths(
         self, schedule: Schedule, tensor_shape: Sequence[int] | ShapeFn | None, lengths: Sequence[int] | None
@@ -540,32 +518,21 @@ class _StepRun:
     def __init__(
         self,
         runtime: PipelineRuntime,
-        schedule: Schedule,
+        step: _StepArgs,
         runners: dict[int, StageRunner],
         iterators: list[Iterator[Any] | None],
-        forward_step_func: ForwardStepFunc,
-        *,
-        forward_only: bool,
-        collect_non_loss_data: bool,
         shape_of: ShapeFn,
-        slicing: StepSlicing | None = None,
-        redistribution: StepRedistribution | None = None,
-        sync: GradSync | None = None,
-        vocab: VocabSetup | None = None,
-        gate: tuple[Callable[[], bool], int] | None = None,
+        slicing: StepSlicing | None,
     ) -> None:
         self.rt = runtime
-        self.gate = gate  # (settle the previous optimizer step, at this position)
-        self.sync = sync
         self.slicing = slicing
-        self.redistribution = redistribution
         self.shape_of = shape_of
-        self.collect_non_loss_data = collect_non_loss_data
-        self.schedule = schedule
+        self.collect_non_loss_data = step.collect_non_loss_data
+        self.schedule = step.lowered
         self.runners = runners
         self.iterators = iterators
-        self.forward_step_func = forward_step_func
-        self.forward_only = forward_only
+        self.forward_step_func = step.forward_step_func
+        self.forward_only = step.forward_only
         self.losses = LossRecord()
         # (kind, stage, microbatch, slice) -> (tensor, hold). Inbox: inputs of F (kind F) and
         # output gradients of B/BW (kind B) of *this* stage, received or still in flight.
@@ -574,10 +541,10 @@ class _StepRun:
         self.outbox: dict[tuple[str, int, int, int], tuple[Tensor, Hold]] = {}
         self.op_count: dict[str, int] = {}
         self.vocab: VocabStep | None = None
-        if vocab is not None:
+        if step.vocab_parallel and runtime.vocab is not None:
             self.vocab = VocabStep(
-                vocab,
-                schedule,
+                runtime.vocab,
+                self.schedule,
                 runtime.rank,
                 runners,
                 self.iterators,
@@ -585,48 +552,63 @@ class _StepRun:
                 self.losses,
                 self._message_shape,
                 self._batch_shape,
-                forward_only=forward_only,
-                collect_non_loss_data=collect_non_loss_data,
+                forward_only=self.forward_only,
+                collect_non_loss_data=self.collect_non_loss_data,
             )
 
-    def execute(self) -> None:
-        comm = self.rt.comm
-        if self.sync is not None:
-            self.sync.begin()
+    def features(
+        self,
+        sync: GradSync,
+        offload: OffloadEngine | None,
+        redistribution: StepRedistribution | None,
+        gate: tuple[Callable[[], bool], int] | None,
+    ) -> list[StepFeature]:
+        """The step's collaborators, in the order its end needs (``step_feature.py``): the gate
+        settles before the messages are flushed, the vocabulary's collectives finish before the
+        gradients sync, the stages are checked empty before offload and attention finish."""
+        rank = self.rt.rank
+        features: list[StepFeature] = []
+        if gate is not None:
+            features.append(GateFeature(*gate))  # takes the random state the attempt starts from
+        features.append(_Messages(self))
+        if self.vocab is not None:
+            features.append(VocabFeature(self.vocab))
+        features.append(GradSyncFeature(sync, rank))
+        features.append(_Stages(self))
+        if offload is not None:
+            features.append(OffloadFeature(offload))
+        if redistribution is not None:
+            features.append(RedistributionFeature(redistribution, rank))
+        if self.slicing is not None:
+            features.append(SlicingFeature(self.slicing))
+        return features
+
+    def execute(self, features: Sequence[StepFeature]) -> None:
+        """Run the rank's ops in order, the features called around each (``step_feature.py``)."""
+        for feature in features:
+            feature.begin()
         for position, op in enumerate(self.schedule.ranks[self.rt.rank]):
-            if self.gate is not None and position == self.gate[1]:
-                self._pass_gate()
+            for feature in features:
+                feature.before(position, op)
             self.op_count[op.kind.value] = self.op_count.get(op.kind.value, 0) + 1
-            try:
-                if self.sync is not None:
-                    self.sync.before(position)
-                self._run(op)
-                if self.sync is not None:
-                    self.sync.after(position)
-            except Exception as error:
-                if isinstance(error, (PipelineError, PeerError)):  # CreationError is a PeerError
-                    raise
-                raise PipelineError(
-                    f"rank {self.rt.rank}: op {op} (position {position}) failed: {error}"
-                ) from error
-            comm.reap()
-        if self.gate is not None:  # a rank with forwards only
-            self._pass_gate()
-        comm.flush()
+            with OpFailure(self.rt.rank, position, op):
+                self._dispatch(op)
+                for feature in reversed(features):
+                    feature.after(position, op)
+            self.rt.comm.reap()
+        for feature in features:
+            feature.finish()
+
+    def leftovers(self) -> list[str]:
+        """What the step left behind (nothing, after a step that ran every op)."""
+        found = [item for runner in self.runners.values() for item in runner.leftover()]
         if self.vocab is not None:
-            self.vocab.finish()  # the embedding gradients are in: the shard's chunk may sync now
-            if self.sync is not None:
-                self.sync.after(self.sync.end)
-        if self.sync is not None:
-            self.sync.finish()
-        leftovers = [item for runner in self.runners.values() for item in runner.leftover()]
-        if self.vocab is not None:
-            leftovers += self.vocab.leftover()
-        leftovers += [f"unused message {key}" for key in self.inbox] + [
-            f"unsent output {key}" for key in self.outbox
-        ]
-        if leftovers:
-            raise PipelineError(f"rank {self.rt.rank}: step ended with " + "; ".join(leftovers[:5]))
+            found += self.vocab.leftover()
+        return (
+            found
+            + [f"unused message {key}" for key in self.inbox]
+            + [f"unsent output {key}" for key in self.outbox]
+        )
 
     def settle_received(self) -> None:
         """Take in the receives posted before the gate (their senders sent before theirs, see
@@ -643,17 +625,6 @@ class _StepRun:
         comm.post_recv(
             self._message_shape(op), self.rt.dtype, self.rt.device, op.peer, direction, what
         ).wait()
-
-    def _pass_gate(self) -> None:
-        assert self.gate is not None
-        settle, _ = self.gate
-        self.gate = None
-        if not settle():
-            raise _Restart()
-
-    def _run(self, op: Op) -> None:
-        with self._attention(op):
-            self._dispatch(op)
 
     def _dispatch(self, op: Op) -> None:
         kind = op.kind
@@ -738,13 +709,6 @@ class _StepRun:
         else:
             self.outbox[(direction, op.stage, op.microbatch, op.slice)] = item
 
-    def _attention(self, op: Op) -> Any:
-        """Around an op: its attention counted, and its part in SlimPipe's redistribution (a
-        heavy op's delegation, a light op's service), if the step has any."""
-        if self.redistribution is None or not self.redistribution.involves(op):
-            return nullcontext()
-        return self.redistribution.running(op)
-
     def _forward(self, op: Op) -> None:
         runner = self.runners[op.stage]
         input_tensor = None if runner.is_first else self._take("F", op.stage, op)
@@ -785,3 +749,38 @@ class _StepRun:
             self._emit("B", op.stage - 1, op, input_grad)
         elif self.vocab is not None:
             self.vocab.embedding_grad(op, input_grad)
+
+
+class _Messages(StepFeature):
+    """The step's p2p messages: flushed at the end, after the gate (a rank with forwards only
+    settles before it waits for its sends); after a failure forgotten, or, when the gate
+    restarts the step, the receives posted before it taken in (``_StepRun.settle_received``)."""
+
+    def __init__(self, run: _StepRun) -> None:
+        self.run = run
+
+    def finish(self) -> None:
+        self.run.rt.comm.flush()
+
+    def discard(self, error: BaseException) -> None:
+        if isinstance(error, Restart):
+            self.run.settle_received()
+        else:
+            self.run.rt.comm.abandon()
+
+
+class _Stages(StepFeature):
+    """The stages' state: checked empty at the end (every unit ran backward and W, every message
+    was used and sent), dropped after a failure."""
+
+    def __init__(self, run: _StepRun) -> None:
+        self.run = run
+
+    def finish(self) -> None:
+        leftovers = self.run.leftovers()
+        if leftovers:
+            raise PipelineError(f"rank {self.run.rt.rank}: step ended with " + "; ".join(leftovers[:5]))
+
+    def discard(self, error: BaseException) -> None:
+        for runner in self.run.runners.values():
+            runner.discard()
