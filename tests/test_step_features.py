@@ -13,6 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from test_grad_sync import FakeChunk  # noqa: E402  (the DDP look-alike that records calls)
+
 from megatron_pp_ext.runtime.executor import _Messages, _Stages, _StepRun  # noqa: E402
 from megatron_pp_ext.runtime.features import (  # noqa: E402
     GateFeature,
@@ -108,28 +110,6 @@ def test_gate_keeps_the_random_state_on_any_other_failure() -> None:
 
 
 # ---- gradient sync ------------------------------------------------------------------------------
-
-
-class FakeChunk(torch.nn.Module):
-    """A DDP look-alike that records what the runtime asks of it."""
-
-    def __init__(self, name: str, events: list[str]) -> None:
-        super().__init__()
-        self.name = name
-        self.events = events
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-
-    @contextmanager
-    def no_sync(self):
-        self.events.append(f"enter {self.name}")
-        yield
-        self.events.append(f"exit {self.name}")
-
-    def start_grad_sync(self, *unused) -> None:
-        self.events.append(f"grad {self.name}")
-
-    def start_param_sync(self, *unused) -> None:
-        self.events.append(f"param {self.name}")
 
 
 def _sync(events: list[str], ops: list[Op], late: tuple[int, ...] = ()) -> tuple[GradSync, list[FakeChunk]]:
