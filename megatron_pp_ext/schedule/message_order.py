@@ -32,7 +32,8 @@ while they run (the heavy one's requests, the light one's answers). The pair's e
 place of the slot's end in the list, on both ranks: the two ops become fixed items with that key,
 so every receive and collective that comes before it in the list is posted before either op and
 none after it. The replay then uses the slots' own timing (every compute one unit, messages
-instant: ``redistribute.lockstep_slots``), so the two ops of a pair end at the same time.
+instant: ``slots.py``, as ``redistribute.lockstep_slots`` pairs them), so the two ops of a pair
+end at the same time.
 """
 
 from __future__ import annotations
@@ -112,9 +113,8 @@ def _merge(
     """One rank's ops with its movable ops (sorted by key) put back: each as late as the order
     allows (a receive right before the send or attention exchange that must follow it, or its
     consumer: as Megatron posts it, and after the validation gate of the forwards before it),
-    except a collective,
-    issued before the first compute that ends after it completes (its last member reaches it
-    then: issuing it later would hold every other member back)."""
+    except a collective, issued before the first compute that ends after it completes (its last
+    member reaches it then: issuing it later would hold every other member back)."""
     where = {_consumed_key(op): index for index, (_, op) in enumerate(movable)}
     ordered: list[Op] = []
     taken = 0

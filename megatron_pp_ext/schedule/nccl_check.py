@@ -37,7 +37,6 @@ waits for. How each op is issued:
   request, sends the answer and waits for both, then receives the DONE. (Per attention layer the
   request and answer repeat; one of each stands for them here, their order being the same.)
 * OFFLOAD/RELOAD copies and compute talk to no other rank.
-
 * Optimizer post-validation (``chain``, the order the partial gradient state visits the ranks,
   ``megatron/post_validation.py``): after the step's flush every rank launches the global
   all-reduce, then receives the partial state from the rank before it in the chain (the host
@@ -176,10 +175,6 @@ def attention_channel(source: int, partner: int) -> str:
     return f"attention {source}->{partner} pair {low}-{high}"
 
 
-def _partner(delegation: Any) -> int:
-    return int(getattr(delegation, "partner", delegation))
-
-
 def _batches(ops: list[Op]) -> dict[int, list[int]]:
     """Runs of adjacent SEND/RECV ops (copies between them skipped): first position -> run."""
     runs: dict[int, list[int]] = {}
@@ -220,12 +215,11 @@ class _Model:
         self.delegated: dict[tuple[int, Op], int] = {}
         self.serves: dict[tuple[int, Op], list[tuple[int, Op]]] = defaultdict(list)
         for (rank, op), delegation in sorted(delegations.items(), key=lambda item: item[0][0]):
-            partner = _partner(delegation)
-            self.delegated[(rank, op)] = partner
             light = getattr(delegation, "light", None)
             if light is None:
                 raise ValueError(f"the delegation of rank {rank}'s {format_op(op)} names no light op")
-            self.serves[(partner, light)].append((rank, op))
+            self.delegated[(rank, op)] = delegation.partner
+            self.serves[(delegation.partner, light)].append((rank, op))
         self.vocab: dict[tuple[int, str, int, int], Unit] = {}
         # (rank, direction, stage, microbatch, slice) -> the posted receive of that message
         self.received: dict[tuple[int, str, int, int, int], tuple[Unit, CommOp]] = {}
