@@ -3,7 +3,8 @@
 Per iteration, on the rank that reports the loss (Megatron-LM writes on its last rank):
 ``lm loss``, ``learning-rate``, ``grad-norm``, ``iteration-time`` (seconds) and ``batch-size``,
 each also against consumed samples (``... vs samples``) as Megatron-LM logs them, and with
-``--eval-interval`` the validation loss (``lm loss validation``, also ``vs samples``). At the end of a
+``--eval-interval`` the validation loss (``lm loss validation``, also ``vs samples``; its
+perplexity too with ``--log-validation-ppl-to-tensorboard``). At the end of a
 run, from the per-rank summary ``train`` prints: each pipeline rank's measured bubble and peak
 activation memory (and, on a GPU, the allocator's peak), tagged per rank. Several processes may
 write into one directory; TensorBoard reads every event file in it.
@@ -11,6 +12,7 @@ write into one directory; TensorBoard reads every event file in it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -26,8 +28,9 @@ def available() -> bool:
 class Logs:
     """A ``SummaryWriter`` on ``directory``, or nothing when no directory is given."""
 
-    def __init__(self, directory: str | None) -> None:
+    def __init__(self, directory: str | None, validation_ppl: bool = False) -> None:
         self.writer: Any = None
+        self.validation_ppl = validation_ppl  # Megatron's --log-validation-ppl-to-tensorboard
         if directory is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -66,6 +69,10 @@ class Logs:
             return
         self.writer.add_scalar("lm loss validation", loss, iteration)
         self.writer.add_scalar("lm loss validation vs samples", loss, samples)
+        if self.validation_ppl:  # Megatron-LM caps the exponent at 20, as its printed PPL
+            ppl = math.exp(min(20.0, loss))
+            self.writer.add_scalar("lm loss validation ppl", ppl, iteration)
+            self.writer.add_scalar("lm loss validation ppl vs samples", ppl, samples)
 
     def ranks(self, iteration: int, rows: list[dict[str, Any]]) -> None:
         """The run's per-rank summary: measured bubble, peak activation and GPU memory (MiB)."""

@@ -4,6 +4,7 @@ the main job trains (loss falls) and reports per-rank step time and activation p
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -140,6 +141,7 @@ def test_tensorboard_logs_have_megatron_lm_tags_and_every_rank(tmp_path) -> None
     done = train(
         "--train-iters", "3", "--tensorboard-dir", str(logs), "--metrics", str(metrics),
         "--log-interval", "2", "--eval-interval", "2", "--eval-iters", "1",
+        "--log-validation-ppl-to-tensorboard",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if "lm loss:" in line]
@@ -159,6 +161,8 @@ def test_tensorboard_logs_have_megatron_lm_tags_and_every_rank(tmp_path) -> None
     (logged,) = events.Scalars("lm loss validation")
     assert (logged.step, logged.value) == (2, pytest.approx(validated[0][1], rel=1e-6))
     assert "lm loss validation vs samples" in tags
+    (ppl,) = events.Scalars("lm loss validation ppl")
+    assert (ppl.step, ppl.value) == (2, pytest.approx(math.exp(validated[0][1]), rel=1e-6))
     for rank in range(4):  # the default config's pipeline
         for tag in ("pipeline-bubble", "mem-activation-peak-mib"):
             (last,) = events.Scalars(f"{tag}/rank {rank}")

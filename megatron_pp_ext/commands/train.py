@@ -160,6 +160,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Megatron's: TensorBoard logs here, with Megatron-LM's tags (lm loss, learning-rate, "
         "grad-norm, iteration-time, batch-size) and each rank's bubble and peak memory at the end",
     )
+    parser.add_argument(
+        "--log-validation-ppl-to-tensorboard",
+        action="store_true",
+        help="Megatron's: also the validation perplexity (lm loss validation ppl)",
+    )
     ckpt = parser.add_argument_group("checkpoints (Megatron's flags)")
     ckpt.add_argument("--save", help="save checkpoints to this directory (iter_XXXXXXX, atomically)")
     ckpt.add_argument("--save-interval", type=int, help="iterations between checkpoints (and one at the end)")

@@ -75,7 +75,7 @@ class TrainLog:
         self.metrics_file: TextIO | None = (
             open(settings.metrics, "a" if first > 1 else "w") if settings.metrics and shows else None
         )
-        self.logs = Logs(settings.tensorboard_dir if shows else None)
+        self.logs = Logs(settings.tensorboard_dir if shows else None, settings.log_validation_ppl)
 
     def write(self, line: str) -> None:
         """A line above the progress bar."""

@@ -56,6 +56,7 @@ class TrainSettings:
     dataset: datasets.DataOptions = field(default_factory=datasets.DataOptions)
     metrics: str | None = None
     tensorboard_dir: str | None = None  # Megatron's --tensorboard-dir (megatron_pp_ext/logs.py)
+    log_validation_ppl: bool = False  # Megatron's --log-validation-ppl-to-tensorboard
     timeout: float = 300.0
     save: str | None = None  # checkpoint directory (Megatron's --save)
     save_interval: int | None = None  # iterations between saves (and one at the end)
@@ -168,6 +169,7 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         dataset=dataset,
         metrics=args.metrics,
         tensorboard_dir=args.tensorboard_dir,
+        log_validation_ppl=args.log_validation_ppl_to_tensorboard,
         pipeline=options,
         timeout=options.p2p_timeout,
         save=args.save,
