@@ -91,7 +91,9 @@ class MainGradOptimizer:
             betas=settings.betas,
             eps=settings.eps,
         )
-        self.validation = PostValidation(chain=chain) if post_validation else None
+        device = self.params[0].device if self.params else torch.device("cpu")
+        # post-validation's communicators created here, on every rank at once (warm_up)
+        self.validation = PostValidation(chain=chain, device=device) if post_validation else None
         self.snapshot = Snapshot(self.optimizer, self.params)  # what an optimistic step overwrote
         self.last = StepInfo(0.0)
         self._pending: PendingState | None = None  # the global check of an optimistic step

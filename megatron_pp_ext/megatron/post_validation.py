@@ -82,16 +82,20 @@ def _named(what: str) -> Iterator[None]:
 class PostValidation:
     """The partial reduction along one pipeline and the global all-reduce over the model-parallel
     group (the synchronous optimizer's), started together. ``chain``: the pipeline ranks in the
-    order the partial state visits them (default: the last rank down to rank 0)."""
+    order the partial state visits them (default: the last rank down to rank 0). ``device``:
+    where the state lives; given, every chain set also creates its communicators at once
+    (:meth:`warm_up`)."""
 
     def __init__(
         self,
         pipeline_group: Any = None,
         model_parallel_group: Any = None,
         chain: Sequence[int] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         from megatron.core import parallel_state
 
+        self.device = device
         self.pipeline_group = pipeline_group or parallel_state.get_pipeline_model_parallel_group()
         self.model_parallel_group = model_parallel_group or parallel_state.get_model_parallel_group()
         self.ranks = dist.get_process_group_ranks(self.pipeline_group)
@@ -109,6 +113,15 @@ class PostValidation:
         place = chain.index(self.index)
         self.previous = chain[place - 1] if place > 0 else None
         self.next = chain[place + 1] if place + 1 < len(chain) else None
+        if self.device is not None:
+            self.warm_up(self.device)
+
+    def warm_up(self, device: torch.device) -> None:
+        """One zero state through the all-reduce and the chain, as a step sends it: NCCL creates a
+        communicator at its first use and blocks its members there, so the pairs of a new chain
+        and the all-reduce are created here, where every rank of the pipeline sets the chain
+        (between steps), and no step waits on a creation."""
+        self.begin(torch.zeros((), dtype=torch.float64, device=device)).wait()
 
     def begin(self, local: torch.Tensor) -> PendingState:
         """Start the global all-reduce of ``local`` (a float64 scalar), take the partial state
