@@ -88,7 +88,7 @@ def test_a_killed_rank_ends_the_job_in_one_line_per_rank_naming_it_and_the_check
 
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly_then_the_run_resumes_exactly(tmp_path: Path) -> None:
-    iterations = 30
+    iterations = 16
     process = start(tmp_path, iterations)
     wait_for_iteration(tmp_path, 3, process)
     process.send_signal(signal.SIGTERM)  # a SLURM preemption reaches the launcher first

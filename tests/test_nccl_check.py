@@ -298,7 +298,7 @@ def sliced_cases(pp: int) -> list[tuple[str, int]]:
     return cases
 
 
-@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("pp", [2, 3, 4, pytest.param(8, marks=pytest.mark.heavy)])  # 8: 15 s
 def test_sweep_attention_exchanges_complete_in_order(pp: int) -> None:
     """Every generator with sequence slices, k = 2 (or the least allowed) and 2p, uniform and
     (p <= 4) uneven slices, with offload (p = 2, 4) and both vocabulary variants (p <= 3): SlimPipe's
