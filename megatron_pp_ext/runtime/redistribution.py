@@ -380,37 +380,31 @@ class StepRedistribution:
         """Around any op of the step: for a heavy F/B/BW its delegation (then DONE), for a light
         op the service of its partner (one request per attention call, the rest after it); an
         F/B/BW's attention counted."""
-        context = None
-        if op.kind in ATTENTION_KINDS:
-            context = self.contexts[self.placement.chunk_index(op.stage)]
         delegation = self.delegations.get(op)
-        service = self.serves.get(op)
-        if context is None:
-            if service is not None:
-                service.begin()
-            yield
-            if service is not None:
-                service.serve_rest()
-            return
+        partner = None
         if delegation is not None:
             channel = self.partners[delegation.partner]
-            context.current_delegation = PartnerAttention(channel, delegation.oldest_slices, str(op))
+            partner = PartnerAttention(channel, delegation.oldest_slices, str(op))
+        service = self.serves.get(op)
         if service is not None:
             service.begin()
-            context.current_service = service
-        local, remote = context.pairs_local, context.pairs_remote
-        try:
+        if op.kind not in ATTENTION_KINDS:  # W, S, T: no attention to delegate or count
             yield
-        finally:
-            context.current_delegation = None
-            context.current_service = None
-        if delegation is not None:
-            PartnerAttention(self.partners[delegation.partner], 0, str(op)).done()
+        else:
+            context = self.contexts[self.placement.chunk_index(op.stage)]
+            context.current_delegation, context.current_service = partner, service
+            local, remote = context.pairs_local, context.pairs_remote
+            try:
+                yield
+            finally:
+                context.current_delegation = context.current_service = None
+            self.counts.own[op] = self.counts.own.get(op, 0) + context.pairs_local - local
+            if context.pairs_remote > remote:
+                self.counts.delegated[op] = self.counts.delegated.get(op, 0) + context.pairs_remote - remote
+        if partner is not None:
+            partner.done()
         if service is not None:
             service.serve_rest()
-        self.counts.own[op] = self.counts.own.get(op, 0) + context.pairs_local - local
-        if context.pairs_remote > remote:
-            self.counts.delegated[op] = self.counts.delegated.get(op, 0) + context.pairs_remote - remote
 
     def finish(self) -> AttentionCounts:
         """The counts of the step; every light op has served its partner until DONE."""
