@@ -153,7 +153,7 @@ CASES = [
     ([*TINY, *PP4, "--pp-schedule", "zb-h1"], None),
     ([*TINY, *PP4, *V_ZB, *VP2], None),
     ([*TINY, *PP2, "--pp-schedule", "seq1f1b", "--pp-seq-slices", "4"], None),
-    ([*TINY, *PP4, *V_ZB], "--num-virtual-stages-per-pipeline-rank 2"),
+    ([*TINY, *PP4, *V_ZB, VP2[0], "3"], "--num-virtual-stages-per-pipeline-rank"),
     ([*TINY, *PP4, "--pp-schedule", "interleaved-1f1b", "--pp-chunks", "2", VP2[0], "4"], "disagree"),
     (
         [*TINY, *PP4, "--pp-schedule", "zb-h1", "--transformer-impl", "transformer_engine"],
@@ -177,11 +177,120 @@ CASES = [
 ]
 
 
+# -- one table, both entry points: the same flags after the same model, given to train and to
+# pretrain_gpt.py (WORLD_SIZE 4, global batch 6), are accepted by both or refused by both naming
+# the same flag. The rules live once (PipelineOptions in megatron/hook.py); this shows it.
+TRAIN_MODEL = [  # TINY as train gives it: Megatron-LM's model flags over the tiny-llama config
+    "--config", "tiny-llama", "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "176", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "6",
+    "--train-iters", "2", "--lr", "1e-3", "--untie-embeddings-and-output-weights",
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--distributed-backend", "gloo", "--transformer-impl", "local",
+]  # fmt: skip
+P2, P4 = "--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 4"
+SLICED2 = f"{P2} --pp-schedule seq1f1b --pp-seq-slices 2"
+# (flags after the model, None if both accept them, else the flag both name)
+BOTH: list[tuple[str, str | None]] = [
+    (f"{P4} --pp-schedule zb-h1", None),
+    (f"{P4} --pp-schedule v-zb", None),  # Megatron builds the 2 chunks
+    (f"{P4} --pp-schedule v-zb --num-virtual-stages-per-pipeline-rank 2", None),
+    (f"{P4} --pp-schedule dualpipev --pp-chunks 3", "--pp-chunks"),
+    (f"{P4} --pp-schedule v-half --pp-chunks 2", None),
+    (f"{P2} --pp-schedule interleaved-1f1b --pp-chunks 2", None),
+    (
+        f"{P2} --pp-schedule interleaved-1f1b --pp-chunks 2 --num-virtual-stages-per-pipeline-rank 4",
+        "--num-virtual-stages-per-pipeline-rank",
+    ),
+    (f"{P2} --pp-chunks 0", "--pp-chunks"),
+    (f"{P4} --pp-schedule no-such", "--pp-schedule"),
+    (SLICED2, None),
+    (f"{P2} --pp-schedule seq1f1b --pp-seq-slices 5", "--pp-seq-slices"),
+    (f"{P2} --pp-schedule slimpipe-interleaved --pp-chunks 2", "--pp-seq-slices"),
+    (f"{P2} --pp-seq-slices 0", "--pp-seq-slices"),
+    (f"{SLICED2} --pp-vocab-parallel vocab-1", "--pp-vocab-parallel"),
+    (f"{SLICED2} --pp-vocab-parallel vocab-1 --calculate-per-token-loss", None),
+    (f"{P2} --pp-vocab-parallel vocab-2", None),
+    (f"{P2} --context-parallel-size 2 --pp-vocab-parallel vocab-2", None),
+    (f"{SLICED2} --context-parallel-size 2", None),
+    (f"{SLICED2} --tensor-model-parallel-size 2 --sequence-parallel", None),
+    (f"{P2} --pp-attn-redistribution 0.5", "--pp-attn-redistribution"),
+    (
+        f"{P2} --pp-schedule slimpipe --pp-seq-slices 4 --pp-attn-redistribution 2",
+        "--pp-attn-redistribution",
+    ),
+    (f"{P2} --pp-schedule slimpipe --pp-seq-slices 4 --pp-attn-redistribution 0.5", None),
+    (f"{P2} --pp-zb-costs 1,x", "--pp-zb-costs"),
+    (f"{P2} --pp-schedule zb-auto --pp-memory-limit 0", "--pp-memory-limit"),
+    (f"{P4} --pp-offload full", None),
+    (f"{P4} --pp-offload selective --pp-offload-chunks 3", "--pp-offload-chunks"),
+    (f"{P4} --pp-offload full --pp-offload-lookahead -1", "--pp-offload-lookahead"),
+    (f"{P2} --pp-schedule slimpipe --pp-seq-slices 4 --pp-emulate-nccl", None),
+]
+
+
+def train_outcome(flags: str, capsys: pytest.CaptureFixture) -> tuple[str | None, int]:
+    """``megatron-pp-ext train`` with ``flags`` after :data:`TRAIN_MODEL` (as under a launcher of
+    4 processes): (None, the model chunks per rank it runs), or (its error line, 0)."""
+    from megatron_pp_ext.commands.train import UsageError, settings_from_argv
+
+    try:
+        settings = settings_from_argv([*TRAIN_MODEL, *flags.split()], world_size=WORLD_SIZE)
+    except UsageError as error:
+        return str(error), 0
+    except SystemExit:  # argparse's own refusal (a choice, a type): its last line
+        return last_line(capsys.readouterr().err), 0
+    schedule = settings.pipeline.schedule_for(settings.pp, settings.microbatches)
+    return None, schedule.num_stages // settings.pp
+
+
+@pytest.mark.parametrize("case", range(len(BOTH)), ids=[flags for flags, _ in BOTH])
+def test_train_and_pretrain_gpt_agree_on_every_row(
+    parsed: list[dict], case: int, capsys: pytest.CaptureFixture
+) -> None:
+    """Both accept (and Megatron builds the model chunks train runs), or both refuse naming the flag."""
+    flags, flag = BOTH[case]
+    megatron = parsed[len(CASES) + case]
+    error, chunks = train_outcome(flags, capsys)
+    if flag is None:
+        assert megatron["ok"] and error is None, (megatron, error)
+        assert (megatron["vp"] or 1) == chunks, (megatron, chunks)
+    else:
+        assert not megatron["ok"] and flag in megatron["error"], megatron
+        assert error is not None and flag in error, error
+
+
+def test_train_takes_the_model_flags_as_megatron_lm_reads_them() -> None:
+    """Megatron-LM's model flags mean the same model in train: the shape, GQA's groups (none
+    without --group-query-attention, one with it and no count), and the learning-rate schedule."""
+    from megatron_pp_ext.commands.train import UsageError, settings_from_argv
+
+    settings = settings_from_argv([*TRAIN_MODEL, "--min-lr", "1e-5", "--lr-warmup-iters", "1"], world_size=4)
+    shape = ("num_layers", "hidden_size", "num_kv_heads", "seq_length")
+    assert [settings.model[key] for key in shape] == [8, 64, 2, 32]
+    assert (settings.min_lr, settings.warmup, settings.microbatches) == (1e-5, 1, 6)
+    at = TRAIN_MODEL.index("--group-query-attention")
+    assert TRAIN_MODEL[at : at + 3] == ["--group-query-attention", "--num-query-groups", "2"]
+    plain, grouped = TRAIN_MODEL[:at] + TRAIN_MODEL[at + 3 :], TRAIN_MODEL[: at + 1] + TRAIN_MODEL[at + 3 :]
+    assert settings_from_argv(plain, world_size=4).model["num_kv_heads"] == 4
+    assert settings_from_argv(grouped, world_size=4).model["num_kv_heads"] == 1
+    for bad, flag in (
+        (["--num-query-groups", "2"], "--num-query-groups"),
+        (["--normalization", "LayerNorm"], "--normalization"),
+        (["--position-embedding-type", "learned_absolute"], "--position-embedding-type"),
+    ):
+        with pytest.raises(UsageError) as error:
+            settings_from_argv(["--num-attention-heads", "4", *bad])
+        assert error.value.flag == flag and flag in str(error.value), error.value
+
+
 @pytest.fixture(scope="module")
 def parsed(patched_tree: Path) -> list[dict]:
-    """Megatron-LM's parse_args + validate_args with our flags, then our checks, for every case,
-    in one fresh process (importing Megatron-LM's training package takes seconds)."""
-    code = PARSE.format(tree=str(patched_tree), cases=json.dumps([argv for argv, _ in CASES]))
+    """Megatron-LM's parse_args + validate_args with our flags, then our checks, for every case
+    (:data:`CASES`, then :data:`BOTH` after TINY) in one fresh process (importing Megatron-LM's
+    training package takes seconds)."""
+    lines = [argv for argv, _ in CASES] + [[*TINY, *flags.split()] for flags, _ in BOTH]
+    code = PARSE.format(tree=str(patched_tree), cases=json.dumps(lines))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
@@ -257,7 +366,10 @@ BAD_LINES: list[tuple[str, str]] = [
         "--num-virtual-stages-per-pipeline-rank 2",
         "--pp-seq-slices",
     ),
-    ("--pipeline-model-parallel-size 4 --pp-schedule v-zb", "--num-virtual-stages-per-pipeline-rank"),
+    (
+        "--pipeline-model-parallel-size 4 --pp-schedule v-zb --num-virtual-stages-per-pipeline-rank 3",
+        "--num-virtual-stages-per-pipeline-rank",
+    ),
     (
         "--pipeline-model-parallel-size 4 --pp-schedule v-zb --num-virtual-stages-per-pipeline-rank 2",
         "--untie-embeddings-and-output-weights",
@@ -431,8 +543,9 @@ def assert_same_training(
 def test_train_step_v_shape_equals_1f1b(patched_tree: Path, tmp_path: Path, one_f_one_b: list[dict]) -> None:
     """Megatron-LM's train_step over the patched pretrain_gpt.py: v-zb (V placement, B/W split,
     losses computed on rank 0 and handed to rank 1 where Megatron reads them) gives 1F1B's losses
-    and final weights, two optimizer steps, same initial weights by global name."""
-    v_shape = run_driver(patched_tree, tmp_path, "train", 2, [*PP2, *V_ZB, *VP2])
+    and final weights, two optimizer steps, same initial weights by global name. No
+    --num-virtual-stages-per-pipeline-rank: Megatron builds the two chunks v-zb runs, as train."""
+    v_shape = run_driver(patched_tree, tmp_path, "train", 2, [*PP2, *V_ZB])
     assert v_shape[0]["losses"] == [{}, {}], "rank 0 is not Megatron's last pipeline rank: no losses there"
     assert_same_training(v_shape, one_f_one_b, 1e-6)
 

@@ -69,8 +69,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="microbatches per iteration per data-parallel rank (instead of --global-batch-size)",
     )
     parser.add_argument("--micro-batch-size", type=int, help="sequences per microbatch")
-    parser.add_argument("--seq-length", type=int, help="tokens per sequence")
-    parser.add_argument("--num-layers", type=int, help="transformer layers")
+    parser.add_argument(
+        "--num-virtual-stages-per-pipeline-rank",
+        dest="virtual_stages",
+        type=int,
+        help="Megatron's: model chunks per pipeline rank (the same as --pp-chunks; give either)",
+    )
+    _add_model_args(parser)
     parser.add_argument(
         "--distributed-backend",
         choices=("nccl", "gloo"),
@@ -105,6 +110,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "flag; vocabulary parallelism with sequence slices needs it)",
     )
     parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--min-lr", type=float, help="Megatron's: the learning rate cosine decay ends at")
+    parser.add_argument(
+        "--lr-warmup-iters", dest="warmup", type=int, help="Megatron's: iterations of linear warm-up"
+    )
+    parser.add_argument("--weight-decay", type=float, help="Megatron's: AdamW's weight decay")
     parser.add_argument(
         "--clip-grad", type=float, help="clip gradients to this global L2 norm (0: no clipping)"
     )
@@ -193,6 +203,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_args(parser)
     parser.set_defaults(run=run, pp_schedule=None, pp_seq_slices=None)  # None: the config's
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's model flags, over the config's model section: a pretrain_gpt.py command line
+    of a Llama-style model runs here unchanged (train builds RMSNorm, SwiGLU, rotary, bias-free,
+    untied models; the flags that say so are accepted, others refused in one line)."""
+    model = parser.add_argument_group("the model (Megatron's flags, over the --config's model section)")
+    model.add_argument("--num-layers", type=int, help="transformer layers")
+    model.add_argument("--seq-length", type=int, help="tokens per sequence")
+    model.add_argument("--hidden-size", type=int, help="hidden width")
+    model.add_argument("--num-attention-heads", type=int, help="query heads")
+    model.add_argument(
+        "--group-query-attention", action="store_true", default=None, help="grouped-query attention"
+    )
+    model.add_argument("--num-query-groups", type=int, help="with --group-query-attention: key/value heads")
+    model.add_argument("--ffn-hidden-size", type=int, help="the MLP's inner width (before SwiGLU's gate)")
+    model.add_argument("--max-position-embeddings", type=int, help="at least --seq-length")
+    model.add_argument("--rotary-base", type=int, help="rotary embeddings' base")
+    model.add_argument("--norm-epsilon", type=float, help="RMSNorm's epsilon")
+    model.add_argument("--init-method-std", type=float, help="standard deviation of the initial weights")
+    model.add_argument("--normalization", help="RMSNorm (what train builds)")
+    model.add_argument("--position-embedding-type", help="rope (what train builds)")
+    for flag, what in (
+        ("--swiglu", "SwiGLU MLPs"),
+        ("--untie-embeddings-and-output-weights", "an output layer of its own"),
+        ("--disable-bias-linear", "no linear-layer biases"),
+    ):
+        model.add_argument(flag, action="store_true", help=f"{what} (what train builds; accepted)")
 
 
 def run(args: argparse.Namespace) -> int:

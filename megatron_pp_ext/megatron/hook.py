@@ -206,6 +206,19 @@ class PipelineOptions:
             raise OptionError(message, flags.get(error.flag, error.flag)) from None
 
 
+def chunks_per_rank(pp_chunks: int | None, virtual_stages: int | None) -> int | None:
+    """Model chunks per rank from ``--pp-chunks`` or Megatron's
+    ``--num-virtual-stages-per-pipeline-rank`` (one count, two names; train and pretrain_gpt.py
+    take both); None: neither given, the schedule's default."""
+    if pp_chunks is not None and virtual_stages and pp_chunks != virtual_stages:
+        raise OptionError(
+            f"--pp-chunks {pp_chunks} and --num-virtual-stages-per-pipeline-rank {virtual_stages} "
+            "disagree: give one of them",
+            "--num-virtual-stages-per-pipeline-rank",
+        )
+    return pp_chunks if pp_chunks is not None else virtual_stages or None
+
+
 def _losses_pair(runtime: Any, schedule: Schedule) -> Any:
     """The world group's pair (loss rank, last rank) that ``_move_losses`` talks over. NCCL
     creates it at its first use, blocking both: the hook creates it before the first step, the

@@ -93,6 +93,12 @@ class ModelConfig:
         for name, choices in choices_of.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        head_size = self.hidden_size // self.num_attention_heads
+        if self.position_embedding == "rope" and head_size % 2:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} / num_attention_heads {self.num_attention_heads} gives "
+                f"heads of {head_size}: rotary embeddings rotate pairs, the head size must be even"
+            )
         limit = self.max_position_embeddings
         if self.position_embedding == "learned_absolute" and limit is not None and self.seq_length > limit:
             raise ValueError(

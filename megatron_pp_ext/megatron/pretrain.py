@@ -39,7 +39,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..schedule.ir import Placement
-from .hook import Installed, OptionError, PipelineOptions, add_args, install, num_microbatches
+from .hook import (
+    Installed,
+    OptionError,
+    PipelineOptions,
+    add_args,
+    chunks_per_rank,
+    install,
+    num_microbatches,
+)
 
 # Megatron flags that drive machinery our runtime replaces: (attribute, flag, why).
 REFUSED_FLAGS = (
@@ -89,8 +97,10 @@ def checking_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             finally:
                 depth[0] -= 1
             if depth[0] == 0:
+                namespace = parsed[0] if isinstance(parsed, tuple) else parsed
                 try:
-                    check_parsed(parsed[0] if isinstance(parsed, tuple) else parsed)
+                    build_schedule_chunks(namespace)
+                    check_parsed(namespace)
                 except OptionError as error:
                     parser.error(str(error))
             return parsed
@@ -100,6 +110,29 @@ def checking_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.parse_known_args = checked(parser.parse_known_args)  # type: ignore[method-assign]
     parser.parse_args = checked(parser.parse_args)  # type: ignore[method-assign]
     return parser
+
+
+def build_schedule_chunks(namespace: argparse.Namespace) -> None:
+    """Have Megatron build the model chunks the schedule runs, as train does: with ``--pp-chunks``,
+    or a schedule that runs more than one chunk per rank by default (V-shape, interleaved), and no
+    count of Megatron's own (``--num-virtual-stages-per-pipeline-rank``, the per-stage layer count
+    or a layout), set ``--num-virtual-stages-per-pipeline-rank`` to it; so the same command line
+    runs under train and pretrain_gpt.py."""
+    from ..schedule.generators import SCHEDULES
+
+    given = ("num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage")
+    if any(getattr(namespace, name, None) is not None for name in given) or getattr(
+        namespace, "pipeline_model_parallel_layout", None
+    ):
+        return
+    if (getattr(namespace, "pipeline_model_parallel_size", 1) or 1) < 2 or not hasattr(namespace, given[0]):
+        return  # one pipeline rank (Megatron takes no virtual stages there), or not Megatron-LM's parser
+    spec = SCHEDULES.get(getattr(namespace, "pp_schedule", "1f1b"))
+    chunks = getattr(namespace, "pp_chunks", None)
+    if chunks is None:
+        chunks = getattr(spec, "default_vpp", 1)  # an unknown schedule: check_args names it
+    if chunks > 1:
+        namespace.num_virtual_stages_per_pipeline_rank = chunks
 
 
 def check_parsed(namespace: argparse.Namespace) -> None:
@@ -541,7 +574,5 @@ def _with_megatron_chunks(options: PipelineOptions, args: Any) -> PipelineOption
     """``--pp-chunks`` defaults to Megatron's ``--num-virtual-stages-per-pipeline-rank``."""
     import dataclasses
 
-    megatron_chunks = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if options.chunks is None and megatron_chunks:
-        return dataclasses.replace(options, chunks=megatron_chunks)
-    return options
+    chunks = chunks_per_rank(options.chunks, getattr(args, "virtual_pipeline_model_parallel_size", None))
+    return dataclasses.replace(options, chunks=chunks)

@@ -57,7 +57,8 @@ class OffloadPolicy:
             raise OffloadError(f"k must be positive, got {self.ratio}", "--pp-offload")
         if self.lookahead < 0:
             raise OffloadError(
-                f"the reload lookahead must be at least 0, got {self.lookahead}", "--pp-offload"
+                f"the reload lookahead must be at least 0 (compute ops), got {self.lookahead}",
+                "--pp-offload-lookahead",
             )
 
 

@@ -16,7 +16,7 @@ from ..megatron import datasets, layer_spec
 from ..megatron.checkpoint import CheckpointError, find_checkpoint, read_common
 from ..megatron.hook import OptionError
 from ..megatron.model import ModelConfig, split_layers
-from .settings import TRAIN_FLAGS, TrainSettings
+from .settings import MODEL_FLAGS, TRAIN_FLAGS, TrainSettings
 
 
 def check(settings: TrainSettings) -> None:
@@ -25,9 +25,8 @@ def check(settings: TrainSettings) -> None:
         model = ModelConfig(**settings.model)
     except (TypeError, ValueError) as error:
         # the model fields train has flags for are named by their flag
-        flag = {"seq_length": "--seq-length", "num_layers": "--num-layers"}.get(
-            str(error).split()[0], "--config"
-        )
+        flags = {key: "--" + name.replace("_", "-") for name, key in MODEL_FLAGS.items()}
+        flag = flags.get(str(error).split()[0], "--config")
         raise UsageError(flag, f"model section: {error}" if flag == "--config" else str(error)) from None
     if model.unsupported():
         raise UsageError(

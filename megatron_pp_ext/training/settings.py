@@ -16,7 +16,7 @@ import yaml
 
 from ..errors import UsageError
 from ..megatron import datasets
-from ..megatron.hook import MEGATRON_FLAGS, OptionError, PipelineOptions
+from ..megatron.hook import MEGATRON_FLAGS, OptionError, PipelineOptions, chunks_per_rank
 
 # The generator's flag names as this command spells them: pretrain_gpt.py's, except that train
 # also takes the number of microbatches itself (--global-batch-size when given: check()).
@@ -119,6 +119,9 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         "micro_batch_size": args.micro_batch_size,
         "iterations": args.iterations,
         "lr": args.lr,
+        "min_lr": args.min_lr,
+        "warmup": args.warmup,
+        "weight_decay": args.weight_decay,
         "clip_grad": args.clip_grad,
         "seed": args.seed,
         "log_interval": args.log_interval,
@@ -130,18 +133,19 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
     training.update({key: value for key, value in overrides.items() if value is not None})
     if args.sequence_parallel is None and training.get("tp", 1) == 1:
         training.pop("sequence_parallel", None)  # a config's sequence parallelism goes with its TP
-    if args.seq_length is not None:
-        model["seq_length"] = args.seq_length
-    if args.num_layers is not None:
-        model["num_layers"] = args.num_layers
+    model.update(model_flags(args))
     if args.bf16:
         model["dtype"] = "bfloat16"
-    options = PipelineOptions.from_args(args)
+    try:
+        options = PipelineOptions.from_args(args)
+        chunks = chunks_per_rank(args.pp_chunks, args.virtual_stages)
+    except OptionError as error:
+        raise UsageError(error.flag, error.reason) from None
     options = dataclasses.replace(
         options,
         measure_memory=True,  # train reports each rank's activation peak
         schedule=args.pp_schedule or pipeline.get("schedule", "1f1b"),
-        chunks=args.pp_chunks if args.pp_chunks is not None else pipeline.get("chunks"),
+        chunks=pipeline.get("chunks") if chunks is None else chunks,
         slices=args.pp_seq_slices if args.pp_seq_slices is not None else pipeline.get("slices", 1),
         slice_partition=args.pp_slice_partition or pipeline.get("slice_partition"),
     )
@@ -184,6 +188,45 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         distributed_backend=args.distributed_backend,
         **training,
     )
+
+
+# Megatron-LM's model flags and the config's model keys they set.
+MODEL_FLAGS = {
+    "num_layers": "num_layers",
+    "seq_length": "seq_length",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "ffn_hidden_size": "ffn_hidden_size",
+    "max_position_embeddings": "max_position_embeddings",
+    "rotary_base": "rotary_base",
+    "norm_epsilon": "norm_epsilon",
+    "init_method_std": "init_std",
+}
+# The architecture train builds, as Megatron-LM's flags choose it.
+LLAMA_CHOICES = {"--normalization": "RMSNorm", "--position-embedding-type": "rope"}
+
+
+def model_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The model keys Megatron-LM's flags on the command line set (over the config's): a
+    pretrain_gpt.py line of a Llama-style model means the same model here."""
+    model = {key: getattr(args, name) for name, key in MODEL_FLAGS.items() if getattr(args, name) is not None}
+    for flag, built in LLAMA_CHOICES.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value != built:
+            raise UsageError(
+                flag,
+                f"{flag} {value}: train builds Llama-style models ({flag} {built}); train this model "
+                "with Megatron-LM's pretrain_gpt.py (scripts/slurm/launch.sh), or study it with simulate",
+            )
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise UsageError(
+            "--num-query-groups", "needs --group-query-attention (without it Megatron-LM ignores it)"
+        )
+    if args.group_query_attention:
+        model["num_kv_heads"] = args.num_query_groups or 1  # Megatron-LM's default: one group
+    elif args.num_attention_heads is not None:
+        model["num_kv_heads"] = args.num_attention_heads  # Megatron-LM's default: no grouping
+    return model
 
 
 def resolve_layout(settings: TrainSettings, launcher_world_size: int | None) -> TrainSettings:
