@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,12 +34,6 @@ def launcher_world() -> tuple[int, int, int] | None:
                 raise RuntimeError(f"under srun, set {name} (e.g. the first host of $SLURM_NODELIST)")
         return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class LaunchError(ValueError):
@@ -110,7 +103,8 @@ def collective_device(device: torch.device) -> torch.device:
 
 
 def _entry(local_rank: int, world_size: int, port: int, worker: Callable[..., Any], args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # the store is this launcher's, as torchrun's agent holds it: every rank is its client
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
     worker(local_rank, world_size, local_rank, *args)
 
@@ -174,9 +168,12 @@ def run(
     given_warnings = os.environ.get("PYTHONWARNINGS", "")
     if quiet_tracker not in given_warnings.split(","):
         os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [given_warnings, quiet_tracker]))
+    # The job's store (rendezvous, and each rank's heartbeat: training/heartbeat.py) lives here,
+    # not in rank 0, as torchrun's agent holds it: when rank 0 dies the others can still read it.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     context = mp.start_processes(
         _entry,
-        args=(world_size, free_port(), worker, args),
+        args=(world_size, store.port, worker, args),
         nprocs=world_size,
         start_method="spawn",
         join=False,
@@ -190,6 +187,7 @@ def run(
         raise WorkerDied(error.error_index, how) from None
     finally:
         stop.restore(previous)
+        del store  # the server stops with the last reference
 
 
 def _watch(processes: list[Any], grace_s: float) -> None:

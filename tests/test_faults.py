@@ -78,6 +78,9 @@ def test_a_killed_rank_ends_the_job_in_one_line_per_rank_naming_it_and_the_check
     ]
     assert survivors, err
     assert all("--load" in line for line in survivors), survivors
+    # ... and named the rank that went silent (the heartbeats in the launcher's store: heartbeat.py)
+    victim = re.match(r"megatron-pp-ext train: error: rank (\d)", last).group(1)
+    assert all(f"rank {victim} went silent" in line for line in survivors), survivors
     # the checkpoint named is complete: the job resumes from it
     resumed = start(
         tmp_path, int(re.search(r"iter_(\d+)", last).group(1)) + 2, "--load", str(tmp_path / "ckpt")

@@ -16,6 +16,7 @@ from .. import launch
 from ..megatron.checkpoint import iteration_dir, read_tracker
 from ..runtime import PeerError
 from ..stop import StopRequest
+from .heartbeat import Heartbeat
 from .job import TrainJob
 
 if TYPE_CHECKING:  # for annotations only: no import edge, a shorter import chain
@@ -30,17 +31,23 @@ def worker(rank: int, world_size: int, local_rank: int, settings: TrainSettings)
     request = StopRequest().install()
     try:
         train_loop(rank, settings, device, stop=request)
-    except fatal_errors() as error:
-        _fatal(rank, settings, error)
-    except RuntimeError as error:
-        if not any(word in str(error) for word in COMMUNICATION_FAILURES):
+    except BaseException as error:
+        if not is_peer_failure(error):
             raise
-        _fatal(rank, settings, error)  # a collective with a dead or hung peer (gloo: RuntimeError)
+        _fatal(rank, settings, error)
     dist.destroy_process_group()
 
 
 # How torch.distributed's backends word a failed or timed-out collective.
 COMMUNICATION_FAILURES = ("gloo", "NCCL", "Timed out", "Connection reset", "Connection closed")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a dead or hung peer's doing: our p2p layer's error, torch.distributed's,
+    or a collective's RuntimeError in a backend's words (gloo raises those)."""
+    if isinstance(error, fatal_errors()):
+        return True
+    return isinstance(error, RuntimeError) and any(word in str(error) for word in COMMUNICATION_FAILURES)
 
 
 def fatal_errors() -> tuple[type[BaseException], ...]:
@@ -64,7 +71,7 @@ def fatal_message(settings: TrainSettings, error: BaseException, others: str = "
     """The error's first line and, with --save, the checkpoint ``--load`` resumes from."""
     message = _first_line(error)
     notes = getattr(error, "__notes__", [])
-    message += f" ({notes[-1]})" if notes else ""
+    message += f" ({'; '.join(notes)})" if notes else ""
     message += f"; {others}" if others else ""
     latest = read_tracker(settings.save) if settings.save else None
     if latest is None:
@@ -97,14 +104,23 @@ def train_loop(
     ends the run early, saved, when a signal asks (``megatron_pp_ext/stop.py``)."""
     job = TrainJob(rank, settings, device, forward_step_func)
     job.stop = stop
+    heartbeat = Heartbeat(rank, dist.get_world_size(), lambda: job.phase)
+    ended = None
     try:
+        heartbeat.start()
         job.resume()
         try:
             rows = job.run()
         except BaseException as error:
             error.add_note(f"while in {job.phase}")  # fatal_message says where a peer was lost
+            if is_peer_failure(error):
+                ended = f"a peer failure in {job.phase}"
+                diagnosis = heartbeat.diagnose()  # which rank is gone or elsewhere
+                if diagnosis is not None:
+                    error.add_note(diagnosis)
             raise
         job.report()
         return rows
     finally:
+        heartbeat.stop(ended)
         job.close()
