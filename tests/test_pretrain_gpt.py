@@ -196,6 +196,10 @@ BOTH: list[tuple[str, str | None]] = [
     (f"{P4} --pp-schedule v-zb", None),  # Megatron builds the 2 chunks
     (f"{P4} --pp-schedule v-zb --num-virtual-stages-per-pipeline-rank 2", None),
     (f"{P4} --pp-schedule dualpipev --pp-chunks 3", "--pp-chunks"),
+    (
+        f"{P4} --pp-schedule v-zb --num-virtual-stages-per-pipeline-rank 3",
+        "--num-virtual-stages-per-pipeline-rank",
+    ),
     (f"{P4} --pp-schedule v-half --pp-chunks 2", None),
     (f"{P2} --pp-schedule interleaved-1f1b --pp-chunks 2", None),
     (

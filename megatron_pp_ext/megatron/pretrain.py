@@ -173,7 +173,8 @@ def check_args(args: Any) -> None:
         schedule = options.schedule_for(pp, num_microbatches(args))
     except OptionError as error:
         if error.flag == "--pp-chunks" and args.pp_chunks is None:  # the count came from Megatron's flag
-            raise OptionError(error.reason, "--num-virtual-stages-per-pipeline-rank") from None
+            megatron_flag = "--num-virtual-stages-per-pipeline-rank"
+            raise OptionError(error.reason.replace("--pp-chunks", megatron_flag), megatron_flag) from None
         raise
     chunks = schedule.num_stages // pp
     megatron_chunks = args.virtual_pipeline_model_parallel_size or 1

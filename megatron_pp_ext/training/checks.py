@@ -63,6 +63,8 @@ def check(settings: TrainSettings) -> None:
     flags = dict(TRAIN_FLAGS)
     if settings.global_batch_size is not None:
         flags["--microbatches"] = "--global-batch-size"
+    if settings.chunks_flag is not None:
+        flags["--vpp"] = settings.chunks_flag
     try:
         schedule = settings.pipeline.schedule_for(settings.pp, settings.microbatches, flags)
     except OptionError as error:

@@ -70,6 +70,7 @@ class TrainSettings:
     # Megatron's --distributed-backend; None: NCCL on GPUs, gloo on CPU; gloo on GPUs shares them
     distributed_backend: str | None = None
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    chunks_flag: str | None = None  # the flag that gave the chunk count, for errors; None: --pp-chunks
 
     def iteration_samples(self) -> int:
         """Sequences per iteration over all data-parallel ranks: the global batch."""
@@ -186,6 +187,9 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         post_validation_chain=getattr(args, "pp_post_validation_chain", None) or "measured",
         transformer_impl=args.transformer_impl,
         distributed_backend=args.distributed_backend,
+        chunks_flag="--num-virtual-stages-per-pipeline-rank"
+        if args.pp_chunks is None and args.virtual_stages
+        else None,
         **training,
     )
 
