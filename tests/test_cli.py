@@ -73,3 +73,27 @@ def test_hand_broken_schedule_file_is_rejected(tmp_path) -> None:
     done = run_cli("simulate", "--schedule-file", str(path))
     assert done.returncode == 2
     assert "BW0:0 at rank 0 position 0 needs F0:0" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--lr", "-1"],
+        ["train", "--pp-schedule", "v-zb", "--pp-chunks", "3"],
+        ["train", "--normalization", "LayerNorm"],
+        ["train", "--global-batch-size", "7"],
+    ],
+    ids=lambda args: " ".join(args),
+)
+def test_bad_train_input_fails_before_torch_is_imported(args: list[str]) -> None:
+    """The checks before launch import torch only for what needs it (a GPU question, a checkpoint
+    to read): most bad input is answered in a fraction of a second, not after seconds of imports."""
+    code = (
+        "import sys; from megatron_pp_ext.cli import main; "
+        f"code = main({args!r}); "
+        "assert code == 2, code; "
+        "assert 'torch' not in sys.modules and 'megatron.core' not in sys.modules, 'imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "megatron-pp-ext train: error: " in done.stderr

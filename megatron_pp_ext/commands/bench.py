@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import launch
     from ..bench import report
     from ..bench.worker import worker
+    from ..launcher_env import launcher_world
 
     check(args)
     if emulating(args):
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         plan_row(name, args.pp, args.microbatches, num_layers, args.against, args.pp_seq_slices)
         for name in names
     ]
-    world = launch.launcher_world()
+    world = launcher_world()
     if world is not None and world[1] != args.pp:
         raise UsageError("--pp", f"the launcher started {world[1]} processes for --pp {args.pp}")
     settings = BenchSettings(

@@ -236,12 +236,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Read and check the settings here, then start the workers (torch and megatron-core are
     imported only now: ``train --help`` and a bad flag stay quick)."""
-    from .. import launch
+    from ..launcher_env import launcher_world
     from ..training.checks import check
-    from ..training.worker import fatal_message, worker
 
     settings = load_settings(args)
-    world = launch.launcher_world()
+    world = launcher_world()
     if (
         world is not None
         and args.dp is not None
@@ -254,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
         )
     settings = resolve_layout(settings, None if world is None else world[1])
     check(settings)
+    from .. import launch  # torch and megatron-core: only for settings that passed
+    from ..training.worker import fatal_message, worker
+
     world_size = settings.tp * settings.cp * settings.pp * settings.dp
     try:  # launch refuses more ranks than GPUs before it starts any (check_gpus)
         launch.run(

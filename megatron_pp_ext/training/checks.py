@@ -1,6 +1,7 @@
 """The checks a training run passes before any process starts: each one names the flag to
 change (a :class:`UsageError`, exit status 2), so bad input fails once, in the launching process,
-rather than in every worker after start-up."""
+rather than in every worker after start-up. torch and megatron-core are imported only by the
+checks that need them (a GPU question, a checkpoint to read), so most bad input fails at once."""
 
 from __future__ import annotations
 
@@ -8,14 +9,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import logs
 from ..errors import UsageError
-from ..megatron import datasets, layer_spec
-from ..megatron.checkpoint import CheckpointError, find_checkpoint, read_common
+from ..megatron import datasets
 from ..megatron.hook import OptionError
-from ..megatron.model import ModelConfig, split_layers
+from ..megatron.model_config import ModelConfig, split_layers
 from .settings import MODEL_FLAGS, TRAIN_FLAGS, TrainSettings
 
 
@@ -138,6 +136,10 @@ def _check_backend(settings: TrainSettings) -> None:
     Megatron's tensor-, context- and data-parallel collectives (and the vocabulary passes) would
     hand gloo CUDA tensors it cannot move."""
     flag, backend = "--distributed-backend", settings.distributed_backend
+    if backend is None:
+        return
+    import torch
+
     if backend == "nccl" and not torch.cuda.is_available():
         raise UsageError(flag, "nccl needs CUDA GPUs and this machine has none: drop it (CPU runs use gloo)")
     if backend != "gloo" or not torch.cuda.is_available():
@@ -171,6 +173,8 @@ def _check_checkpoints(settings: TrainSettings) -> None:
         _check_writable(Path(settings.save))
     if settings.load is None:
         return
+    from ..megatron.checkpoint import CheckpointError, find_checkpoint, read_common  # torch
+
     flag = "--load" if settings.ckpt_step is None else "--ckpt-step"
     try:
         path = find_checkpoint(settings.load, settings.ckpt_step)
@@ -247,6 +251,8 @@ def _check_transformer_impl(settings: TrainSettings, schedule: Any) -> None:
     without a B/W split (as the pretrain_gpt.py hook refuses it)."""
     if settings.transformer_impl != "transformer_engine":
         return
+    from ..megatron import layer_spec  # torch and megatron-core
+
     if not layer_spec.te_available():  # looked up at each call: tests stand it in
         raise UsageError(
             "--transformer-impl",
