@@ -48,7 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--global-batch-size", type=int, help="sequences per step (default: 4M tokens' worth, at least 1)"
     )
-    parser.add_argument("--micro-batch-size", type=int, help="sequences per microbatch (default 1)")
+    parser.add_argument(
+        "--micro-batch-size", type=int, help="sequences per microbatch, pinned (default: searched)"
+    )
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per node, the NVLink domain (default 8)")
     parser.add_argument("--top", type=int, default=10, help="plans to show")
     parser.add_argument("--schedules", help="comma-separated schedules to consider (default: all)")
@@ -139,7 +141,6 @@ def problem_from_args(args: argparse.Namespace) -> tuple[Problem, Any]:
     for flag, value in (
         ("--seq-length", seq),
         ("--gpus", args.gpus),
-        ("--micro-batch-size", micro_batch := args.micro_batch_size or 1),
         ("--gpus-per-node", gpus_per_node := args.gpus_per_node or 8),
         ("--top", args.top),
     ):
@@ -150,10 +151,6 @@ def problem_from_args(args: argparse.Namespace) -> tuple[Problem, Any]:
     if args.global_batch_size is not None and args.global_batch_size < 1:
         raise UsageError("--global-batch-size", f"must be at least 1, got {args.global_batch_size}")
     batch = args.global_batch_size or max(1, DEFAULT_TOKENS_PER_STEP // seq)
-    if batch % micro_batch:
-        raise UsageError(
-            "--global-batch-size", f"{batch} is not a multiple of --micro-batch-size {micro_batch}"
-        )
     return (
         Problem(
             shape=spec.shape,
@@ -161,7 +158,6 @@ def problem_from_args(args: argparse.Namespace) -> tuple[Problem, Any]:
             gpus=args.gpus,
             profile=profile_from_args(args),
             global_batch=batch,
-            micro_batch=micro_batch,
             gpus_per_node=min(gpus_per_node, args.gpus),
         ),
         spec,
@@ -203,8 +199,7 @@ def predict_run(args: argparse.Namespace) -> int:
         gpus,
         profile_from_args(args, run.cluster),
         batch,
-        run.micro_batch,
-        per_node,
+        gpus_per_node=per_node,
     )
     try:
         result = predict_and_compare(problem, pins, args.max_simulations, args.top)
@@ -233,7 +228,8 @@ def predict_run(args: argparse.Namespace) -> int:
 
 
 def pins_from_args(args: argparse.Namespace, problem: Problem) -> Pins:
-    """The layout flags given on the command line as pins (none given: a free search)."""
+    """The layout flags given on the command line as pins (none given: a free search), the
+    micro-batch size among them."""
     if args.recompute_method is not None and args.recompute_granularity != "full":
         raise UsageError("--recompute-method", "needs --recompute-granularity full")
     block = args.recompute_method == "block"
@@ -258,10 +254,11 @@ def pins_from_args(args: argparse.Namespace, problem: Problem) -> Pins:
             slices=args.pp_seq_slices,
             offload=args.pp_offload,
             vocab=args.pp_vocab_parallel,
+            micro_batch=args.micro_batch_size,
             tp_comm_overlap=args.tp_comm_overlap,
             flags={"vpp": vpp_flag},
         )
-        pins.check(problem.shape, problem.gpus, problem.gpus_per_node)
+        pins.check(problem.shape, problem.gpus, problem.gpus_per_node, problem.global_batch)
     except PinError as error:
         raise UsageError(error.flag, str(error)) from None
     return pins

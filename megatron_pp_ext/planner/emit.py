@@ -35,7 +35,7 @@ def parallel_flags(plan: PlanResult) -> list[str]:
         if layout.pp > 2:
             flags.append("--no-overlap-p2p-communication")  # Megatron's own interleaved overlap
     flags += [
-        "--micro-batch-size", str(problem.micro_batch),
+        "--micro-batch-size", str(c.micro_batch),
         "--global-batch-size", str(problem.global_batch),
     ]  # fmt: skip
     if layout.parallel.distributed_optimizer:
@@ -91,7 +91,7 @@ def sbatch(spec: ModelSpec, plan: PlanResult, command: str) -> str:
         "# as planned by",
         f"#   {command}",
         f"# Layout: {layout.label()}, {c.schedule} with {c.vpp} chunk(s) per rank and {c.slices} slice(s), "
-        f"offload {c.offload}, recompute {c.recompute}.",
+        f"micro-batch {c.micro_batch}, offload {c.offload}, recompute {c.recompute}.",
         f"# Predicted: {plan.step_time:.2f} s per step, {plan.tokens_per_s_per_gpu:.0f} tokens/s per GPU, "
         f"MFU {plan.mfu:.1%}, {plan.memory_gib:.1f} GiB per GPU (docs/planner.md).",
         "# Save it in scripts/slurm/ (it sources launch.sh from there). Preview: bash FILE --dry-run",
@@ -107,7 +107,7 @@ def sbatch(spec: ModelSpec, plan: PlanResult, command: str) -> str:
         f'"${{NNODES:=${{SLURM_JOB_NUM_NODES:-{nodes}}}}}" "${{GPUS_PER_NODE:={problem.gpus_per_node}}}"',
         f': "${{SEQ_LENGTH:={problem.seq_length}}}" "${{TP:={layout.tp}}}" "${{CP:={layout.cp}}}" '
         f'"${{PP:={layout.pp}}}" "${{SEQUENCE_PARALLEL:={int(layout.tp > 1)}}}"',
-        f': "${{MICRO_BATCH_SIZE:={problem.micro_batch}}}" "${{GLOBAL_BATCH_SIZE:={problem.global_batch}}}" '
+        f': "${{MICRO_BATCH_SIZE:={c.micro_batch}}}" "${{GLOBAL_BATCH_SIZE:={problem.global_batch}}}" '
         '"${TRAIN_ITERS:=1000}" "${WARMUP_ITERS:=50}"',
         f': "${{USE_DISTRIBUTED_OPTIMIZER:={int(layout.parallel.distributed_optimizer)}}}" '
         f'"${{OVERLAP_GRAD_REDUCE:={int(layout.parallel.distributed_optimizer)}}}" '

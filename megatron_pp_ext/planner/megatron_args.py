@@ -235,6 +235,7 @@ def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
             slices=args.pp_seq_slices or 1,
             offload=args.pp_offload or "none",
             vocab=args.pp_vocab_parallel or "none",
+            micro_batch=args.micro_batch_size or 1,
             tp_comm_overlap=bool(args.tp_comm_overlap),
             overlap_grad_reduce=bool(args.overlap_grad_reduce),
             overlap_param_gather=bool(args.overlap_param_gather),

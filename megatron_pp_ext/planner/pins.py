@@ -2,9 +2,11 @@
 ``--pp-*``); the search varies only the rest.
 
 A pin that no layout can meet (TP not dividing the heads, a product that does not divide the GPU
-count, chunks that do not split the layers) is refused by :meth:`Pins.check` before the search,
-in one line that names the flag; one that divides but does not fit memory is reported by the
-search's rejections (``plan``) or by the prediction itself (``plan --from-args``).
+count, chunks that do not split the layers, a micro-batch size that does not divide the global
+batch or, with TP, CP and PP all pinned, one DP rank's share of it) is refused by
+:meth:`Pins.check` before the search, in one line that names the flag; one that divides but does
+not fit memory is reported by the search's rejections (``plan``) or by the prediction itself
+(``plan --from-args``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Pins:
     slices: int | None = None
     offload: str | None = None
     vocab: str | None = None  # --pp-vocab-parallel
+    micro_batch: int | None = None  # --micro-batch-size
     # the run's software, not layout choices: the search keeps them as given
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = True
@@ -67,7 +70,9 @@ class Pins:
     flags: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "cp", "pp", "vpp", "layers_per_virtual_stage", "slices", "recompute_layers"):
+        for name in (
+            "tp", "cp", "pp", "vpp", "layers_per_virtual_stage", "slices", "recompute_layers", "micro_batch"
+        ):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise PinError(self.flag(name), f"{self.flag(name)} must be at least 1, got {value}")
@@ -97,28 +102,24 @@ class Pins:
             "slices": "--pp-seq-slices",
             "offload": "--pp-offload",
             "vocab": "--pp-vocab-parallel",
+            "micro_batch": "--micro-batch-size",
         }[name]
         return self.flags.get(name, default)
 
     @property
     def pinned(self) -> list[str]:
         """The flags that pin something (for the title of the answer)."""
-        names = [
-            n
-            for n in ("tp", "cp", "pp", "vpp", "layers_per_virtual_stage", "schedule", "slices")
-            if getattr(self, n) is not None
-        ]
-        names += [
-            n
-            for n in ("sequence_parallel", "distributed_optimizer", "recompute", "offload", "vocab")
-            if getattr(self, n) is not None
-        ]
-        return [self.flag(n) for n in names]
+        names = ("tp", "cp", "pp", "vpp", "layers_per_virtual_stage", "schedule", "slices", "micro_batch")
+        names += ("sequence_parallel", "distributed_optimizer", "recompute", "offload", "vocab")
+        return [self.flag(n) for n in names if getattr(self, n) is not None]
 
     # ---- before the search ---------------------------------------------------------------------
 
-    def check(self, shape: ModelShape, gpus: int, gpus_per_node: int) -> None:
-        """Refuse a pin that no layout of ``gpus`` can meet (PinError naming the flag)."""
+    def check(
+        self, shape: ModelShape, gpus: int, gpus_per_node: int, global_batch: int | None = None
+    ) -> None:
+        """Refuse a pin that no layout of ``gpus`` can meet (PinError naming the flag); the
+        micro-batch pin against ``global_batch`` when given."""
         if self.tp is not None:
             indivisible = tp_indivisible(shape, self.tp)
             if indivisible:
@@ -191,6 +192,29 @@ class Pins:
         if self.recompute_layers is not None and self.recompute != "full":
             raise PinError(
                 self.flag("recompute_layers"), "--recompute-num-layers needs --recompute-granularity full"
+            )
+        if global_batch is not None:
+            self.check_micro_batch(gpus, global_batch)
+
+    def check_micro_batch(self, gpus: int, global_batch: int) -> None:
+        """The micro-batch pin must divide the global batch, and, when TP, CP and PP are all pinned
+        (so DP is too), one DP rank's share of it: Megatron refuses the run otherwise."""
+        size = self.micro_batch
+        if size is None:
+            return
+        flag = self.flag("micro_batch")
+        if global_batch % size:
+            raise PinError(
+                flag, f"{flag} {size} does not divide the global batch of {global_batch} sequences"
+            )
+        if None in (self.tp, self.cp, self.pp):
+            return
+        dp = gpus // (self.tp * self.cp * self.pp)  # type: ignore[operator]
+        if global_batch % dp == 0 and (global_batch // dp) % size:
+            raise PinError(
+                flag,
+                f"{flag} {size} does not divide the {global_batch // dp} sequences of a DP rank "
+                f"(global batch {global_batch} over DP {dp})",
             )
 
     # ---- in the search ---------------------------------------------------------------------------

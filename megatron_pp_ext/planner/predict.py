@@ -24,23 +24,30 @@ REASON_FLAGS = {
 
 
 def pinned_candidate(problem: Problem, pins: Pins) -> Candidate:
-    """The one candidate ``pins`` describe (TP, CP, PP, chunks, schedule and slices all pinned).
-    Raises PinError for a layout Megatron would refuse."""
+    """The one candidate ``pins`` describe (TP, CP, PP, chunks, schedule and slices all pinned; the
+    micro-batch size too, Megatron's 1 when not). Raises PinError for a layout Megatron would
+    refuse."""
     missing = [pins.flag(n) for n in ("tp", "cp", "pp", "schedule") if getattr(pins, n) is None]
     if missing:
         raise PinError(missing[0], f"a run to predict pins {', '.join(missing)}")
     pins.check(problem.shape, problem.gpus, problem.gpus_per_node)
     layout = next(pins.layouts(problem.gpus, problem.gpus_per_node))
-    found = layout_problem(
-        layout, problem.shape, problem.seq_length, problem.global_batch, problem.micro_batch
-    )
+    micro_batch = pins.micro_batch or 1
+    found = layout_problem(layout, problem.shape, problem.seq_length, problem.global_batch, micro_batch)
     if found and not (found[0] == "indivisible: layers" and not pins.even_layers):
         reason, detail = found
         raise PinError(REASON_FLAGS.get(reason, "--from-args"), detail)
     vpp = pins.vpp or 1
     if pins.layers_per_virtual_stage is not None:
         vpp = problem.shape.layers // (layout.pp * pins.layers_per_virtual_stage)
-    return Candidate(layout, pins.schedule, vpp, pins.slices or 1, **pins.candidate_options())  # type: ignore[arg-type]
+    return Candidate(
+        layout,
+        pins.schedule,  # type: ignore[arg-type]
+        vpp,
+        pins.slices or 1,
+        micro_batch=micro_batch,
+        **pins.candidate_options(),
+    )
 
 
 def predict(problem: Problem, pins: Pins) -> PlanResult:
@@ -48,7 +55,7 @@ def predict(problem: Problem, pins: Pins) -> PlanResult:
     stays small enough; its memory is reported, not checked (``fits`` says)."""
     candidate = pinned_candidate(problem, pins)
     layout = candidate.layout
-    microbatches = problem.global_batch // (layout.dp * problem.micro_batch)
+    microbatches = problem.global_batch // (layout.dp * candidate.micro_batch)
     full = layout.pp * candidate.vpp * candidate.slices * microbatches <= PREDICT_FULL_UNITS
     try:
         return evaluate(problem, candidate, full=full, check_memory=False)
@@ -77,7 +84,7 @@ class Prediction:
 
 def predict_and_compare(problem: Problem, pins: Pins, max_simulations: int = 300, top: int = 5) -> Prediction:
     """The run, and the free search over the same model, batch and GPUs, as the plugin would run
-    it (Transformer Engine's TP overlap kept as the run has it)."""
+    it (Transformer Engine's TP overlap kept as the run has it; the micro-batch size searched)."""
     run = predict(problem, pins)
     free = Pins(tp_comm_overlap=pins.tp_comm_overlap)
     return Prediction(run, search(problem, top=top, max_simulations=max_simulations, pins=free))

@@ -59,6 +59,7 @@ class PublishedRun:
             distributed_optimizer=lay.distributed_optimizer,
             recompute=self.recompute,
             schedule=None if self.vpp is None else self.schedule,
+            micro_batch=self.micro_batch,
             tp_comm_overlap=self.tp_comm_overlap,
             grad_reduce_buckets=True,  # Megatron's own schedules (Llama 3: its own, alike)
             attention=self.attention,
@@ -230,7 +231,6 @@ def problem_of(run: PublishedRun, profile: DeviceProfile | None = None) -> Probl
         run.layout.gpus,
         profile or get_profile(run.gpu),
         run.global_batch,
-        run.micro_batch,
     )
 
 
@@ -275,10 +275,17 @@ def slimpipe_table() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for seq, t, c, p, d, slices, chunks in SLIMPIPE_CONFIGS:
-        problem = Problem(shape, seq, 256, profile, max(1, (1 << 22) // seq), 1)
+        problem = Problem(shape, seq, 256, profile, max(1, (1 << 22) // seq))
         best = search(problem, top=1).plans[0]
         pins = Pins(
-            tp=t, cp=c, pp=p, vpp=chunks, schedule="slimpipe-interleaved", slices=slices, offload="none"
+            tp=t,
+            cp=c,
+            pp=p,
+            vpp=chunks,
+            schedule="slimpipe-interleaved",
+            slices=slices,
+            offload="none",
+            micro_batch=1,
         )
         theirs = predict_pinned(problem, pins)
         offloaded = predict_pinned(problem, replace(pins, offload="auto"))

@@ -19,6 +19,7 @@ def plan_row(rank: int, plan: PlanResult) -> dict[str, str]:
         "schedule": c.schedule,
         "v": str(c.vpp),
         "k": str(c.slices),
+        "mb": str(c.micro_batch),
         "offload": c.offload,
         "recompute": c.recompute,
         "step s": f"{plan.step_time:.3f}",
@@ -84,7 +85,7 @@ def step_parts(plan: PlanResult) -> str:
         f"step = pipeline {plan.pipeline_time:.3f} s + exposed gradient sync "
         f"{plan.grad_sync_exposed:.3f} s + optimizer {plan.optimizer_time:.3f} s + exposed parameter "
         f"all-gather {plan.param_gather_exposed:.3f} s; {plan.microbatches} microbatches of "
-        f"{plan.problem.micro_batch} per DP rank"
+        f"{plan.candidate.micro_batch} per DP rank"
     )
 
 

@@ -4,9 +4,10 @@
    model, sequence and batch (``layout.layout_problem``), and whose weights, gradients and
    optimizer state fit at all.
 2. Pipeline choices per layout: each schedule with its chunk counts (even layer splits), slice
-   counts for the sequence-sliced families (slices of at least ``MIN_SLICE`` tokens), and, only
-   where the plain choice cannot fit, activation offload or full recomputation (they cost time,
-   so they never win otherwise).
+   counts for the sequence-sliced families (slices of at least ``MIN_SLICE`` tokens), micro-batch
+   sizes (powers of two dividing a DP rank's share of the batch, unless pinned: grown from 1 until
+   the memory bound no longer fits), and, only where the plain choice cannot fit, activation
+   offload or full recomputation (they cost time, so they never win otherwise).
 3. Bounds without simulating: a memory lower bound (what the last stage's rank must hold when
    its first backward starts) rejects what cannot fit, and a time lower bound (the busiest rank's
    compute) orders the rest.
@@ -147,7 +148,7 @@ def bounds(problem: Problem, candidate: Candidate) -> tuple[float, float]:
         problem.seq_length,
         candidate.layout,
         problem.profile,
-        problem.micro_batch,
+        candidate.micro_batch,
         candidate.recompute,
         layers,
         candidate.recompute_layers,
@@ -155,7 +156,7 @@ def bounds(problem: Problem, candidate: Candidate) -> tuple[float, float]:
         candidate.attention,
         candidate.vocab,
     )
-    m = microbatches_of(problem, candidate.layout)
+    m = microbatches_of(problem, candidate)
     seconds = lower_bound_time(stub, costs, m)  # type: ignore[arg-type]
     memory = 0.0 if candidate.offload != "none" else lower_bound_memory(problem, candidate, costs, stub)  # type: ignore[arg-type]
     return seconds, memory
@@ -186,9 +187,38 @@ def memory_savers(candidate: Candidate, pins: Pins | None = None) -> list[Candid
     ]
 
 
+def micro_batch_options(problem: Problem, layout: Layout, pins: Pins) -> list[int]:
+    """Micro-batch sizes to try on ``layout``, smallest first: the pin, or the powers of two that
+    divide a DP rank's share of the global batch (Megatron needs a whole number of microbatches).
+    In the cost model a larger one pays fewer launch gaps and latencies per token and gives the
+    DP parameter gather and gradient reduce a longer first forward and last backward to hide
+    behind, but leaves fewer microbatches to fill the pipeline and holds more activations."""
+    if pins.micro_batch is not None:
+        return [pins.micro_batch]
+    per_rank = problem.global_batch // layout.dp
+    sizes = [1]
+    while per_rank % (sizes[-1] * 2) == 0:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def enough_microbatches(problem: Problem, candidate: Candidate) -> bool:
+    """Whether the candidate's batch gives its schedule the microbatches it needs (DualPipeV)."""
+    layout = candidate.layout
+    needed = SCHEDULES[candidate.schedule].min_microbatches(layout.pp, candidate.vpp, candidate.slices)
+    return microbatches_of(problem, candidate) >= needed
+
+
 def _group(candidate: Candidate) -> tuple:
-    """Candidates that differ only in chunks and slices: their estimates err alike."""
-    return (candidate.layout, candidate.schedule, candidate.offload, candidate.recompute)
+    """Candidates that differ only in chunks and slices: their estimates err alike (not across
+    micro-batch sizes: the microbatch count changes the bubble the estimate guesses)."""
+    return (
+        candidate.layout,
+        candidate.schedule,
+        candidate.offload,
+        candidate.recompute,
+        candidate.micro_batch,
+    )
 
 
 Progress = Callable[["SearchResult", int, "float | None"], None]
@@ -228,20 +258,33 @@ class _Search:
         self.schedule_correction: dict[str, float] = {}
         self.saved: set[Candidate] = set()
 
-    def push(self, candidate: Candidate) -> None:
+    def push(self, candidate: Candidate) -> bool:
+        """Queue ``candidate`` by its estimate; False when its bounds already reject it."""
         self.result.considered += 1
         try:
             seconds, memory = bounds(self.problem, candidate)
         except (PartitionError, ValueError) as error:
             self.result.reject("indivisible: slices", f"{candidate.label()}: {error}")
-            return
+            return False
         if memory > self.problem.profile.memory_bytes:
             self.result.reject("out of memory", f"{candidate.label()}: at least {memory / 2**30:.1f} GiB")
             self.save_memory(candidate)
-            return
-        m = microbatches_of(self.problem, candidate.layout)
+            return False
+        m = microbatches_of(self.problem, candidate)
         estimate = seconds * (1 + estimated_bubble(candidate, m))
         heapq.heappush(self.heap, (estimate, self.result.considered, seconds, candidate))
+        return True
+
+    def push_micro_batches(self, candidate: Candidate, sizes: list[int]) -> None:
+        """``candidate`` at each of ``sizes`` (ascending), stopping at the first that its bounds
+        reject: a larger micro-batch holds more activations and slices no differently, so it
+        cannot pass either (the rejected one still gets its memory savers)."""
+        for size in sizes:
+            sized = replace(candidate, micro_batch=size)
+            if size != sizes[0] and not enough_microbatches(self.problem, sized):
+                return
+            if not self.push(sized):
+                return
 
     def save_memory(self, candidate: Candidate) -> None:
         plain = replace(
@@ -332,7 +375,7 @@ def search(
     options = pins.candidate_options()
     for layout in pins.layouts(problem.gpus, problem.gpus_per_node):
         found = layout_problem(
-            layout, problem.shape, problem.seq_length, problem.global_batch, problem.micro_batch
+            layout, problem.shape, problem.seq_length, problem.global_batch, pins.micro_batch or 1
         )
         if found:
             result.reject(*found)
@@ -347,8 +390,9 @@ def search(
         choices = pipeline_choices(problem, layout, schedules or list(SCHEDULES), pins)
         if not choices:
             result.reject("no schedule for the pins", f"{layout.label()}: {', '.join(pins.pinned) or 'none'}")
+        sizes = micro_batch_options(problem, layout, pins)
         for name, vpp, k in choices:
-            state.push(Candidate(layout, name, vpp, k, **options))
+            state.push_micro_batches(Candidate(layout, name, vpp, k, **options), sizes)
     state.run(max_simulations)
     result.plans = _resimulate(problem, state.best[:top])
     result.seconds = time.perf_counter() - start

@@ -50,21 +50,23 @@ class Rejection(Exception):
 
 @dataclass(frozen=True)
 class Problem:
-    """What the user asks for: a model at a sequence length on ``gpus`` GPUs of ``profile``."""
+    """What the user asks for: a model at a sequence length on ``gpus`` GPUs of ``profile``, and
+    sequences per step. The micro-batch size is a choice of the plan (``Candidate.micro_batch``),
+    searched or pinned (``Pins.micro_batch``) like TP or PP."""
 
     shape: ModelShape
     seq_length: int
     gpus: int
     profile: DeviceProfile
     global_batch: int
-    micro_batch: int = 1
     gpus_per_node: int = 8
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One plan to evaluate. The search varies layout, schedule, chunks, slices and (only to fit)
-    offload and full recomputation; the rest is what a pinned run (``plan --from-args``) says."""
+    """One plan to evaluate. The search varies layout, schedule, chunks, slices, micro-batch size
+    and (only to fit) offload and full recomputation; the rest is what a pinned run (``plan
+    --from-args``) says."""
 
     layout: Layout
     schedule: str
@@ -82,9 +84,11 @@ class Candidate:
     overlap_param_gather: bool = True  # --overlap-param-gather (distributed optimizer)
     attention: str = "flash"  # or "unfused" (--attention-backend local|unfused; Megatron before 2023)
     vocab: str = "none"  # --pp-vocab-parallel vocab-1 | vocab-2
+    micro_batch: int = 1  # --micro-batch-size: sequences per microbatch
 
     def label(self) -> str:
-        extra = [f"offload {self.offload}"] if self.offload != "none" else []
+        extra = [f"micro-batch {self.micro_batch}"] if self.micro_batch > 1 else []
+        extra += [f"offload {self.offload}"] if self.offload != "none" else []
         if self.recompute != "none":
             block = f" (block {self.recompute_layers})" if self.recompute_layers is not None else ""
             extra.append(f"recompute {self.recompute}{block}")
@@ -186,7 +190,7 @@ class PlanResult:
             "sequence_parallel": lay.parallel.sp,
             "distributed_optimizer": lay.parallel.distributed_optimizer,
             "microbatches": self.microbatches,
-            "micro_batch_size": self.problem.micro_batch,
+            "micro_batch_size": c.micro_batch,
             "global_batch_size": self.problem.global_batch,
             "step_time_s": self.step_time,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
@@ -205,8 +209,9 @@ class PlanResult:
         }
 
 
-def microbatches_of(problem: Problem, layout: Layout) -> int:
-    return problem.global_batch // (layout.dp * problem.micro_batch)
+def microbatches_of(problem: Problem, candidate: Candidate) -> int:
+    """Microbatches per DP rank and step: the global batch over DP x micro-batch size."""
+    return problem.global_batch // (candidate.layout.dp * candidate.micro_batch)
 
 
 UNIT_BUDGET = 4_000  # (stage, microbatch, slice) units one search simulation may hold
@@ -343,7 +348,7 @@ def evaluate(
     """Simulate ``candidate``. Raises :class:`Rejection` if it cannot be built, or, without
     offload and with ``check_memory``, if its memory (known before any replay) does not fit."""
     layout = candidate.layout
-    m = microbatches_of(problem, layout)
+    m = microbatches_of(problem, candidate)
     m_sim = simulated_count(m, candidate, full)
     if m_sim > m:
         raise Rejection(
@@ -361,7 +366,7 @@ def evaluate(
             problem.seq_length,
             layout,
             problem.profile,
-            problem.micro_batch,
+            candidate.micro_batch,
             candidate.recompute,
             layers,
             candidate.recompute_layers,
@@ -559,7 +564,7 @@ def _memory(
     layout, shape = candidate.layout, problem.shape
     static = static_parts(shape, schedule.placement, layout.parallel, layers, candidate.vocab)
     e = shape.bytes_per_element
-    longest = problem.micro_batch * max(costs.lengths)
+    longest = candidate.micro_batch * max(costs.lengths)
     buffers = 4 * longest * shape.hidden * e / layout.parallel.sequence_split  # p2p in flight
     if layout.tp > 1:
         buffers += 2 * longest / layout.cp * shape.hidden * e  # SP all-gathered layer inputs
