@@ -150,9 +150,7 @@ def _sbatch_defaults(path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("path", SBATCH, ids=[p.stem for p in SBATCH])
 def test_from_sbatch_predicts_each_of_our_scripts(capsys: pytest.CaptureFixture, path: Path) -> None:
-    code, out, err = run_cli(
-        capsys, ["plan", "--from-sbatch", str(path), "--json", "--max-simulations", "60"]
-    )
+    code, out, err = run_cli(capsys, ["plan", "--from-sbatch", str(path), "--json", "--max-simulations", "8"])
     answer = json.loads(out)
     run = answer["run"]
     assert code == (0 if run["fits"] else 2), err
