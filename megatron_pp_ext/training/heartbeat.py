@@ -133,7 +133,7 @@ class Heartbeat:
 
 
 def _ranks(ranks: list[int], verb: str) -> str:
-    """ "rank 1 went", "ranks 1, 2 and 5 more are" (``verb`` "is" or "went")."""
+    """The subject of the line: 'rank 1 went', 'ranks 1, 2, 3 and 5 more are' (``verb`` is or went)."""
     if len(ranks) == 1:
         return f"rank {ranks[0]} {verb}"
     shown = ", ".join(map(str, ranks[:SHOWN]))
