@@ -44,6 +44,7 @@ CASES: list[tuple[str, str]] = [
         "--num-virtual-stages-per-pipeline-rank",
     ),
     ("train --hidden-size 60", "--hidden-size"),
+    ("train --max-position-embeddings 64", "--max-position-embeddings"),
     ("train --config no-such-config", "--config"),
     ("train --config <tmp>/broken.yaml", "--config"),
     ("train --config <tmp>/a-list.yaml", "--config"),

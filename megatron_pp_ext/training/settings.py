@@ -134,7 +134,7 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
     training.update({key: value for key, value in overrides.items() if value is not None})
     if args.sequence_parallel is None and training.get("tp", 1) == 1:
         training.pop("sequence_parallel", None)  # a config's sequence parallelism goes with its TP
-    model.update(model_flags(args))
+    model.update(model_flags(args, model))
     if args.bf16:
         model["dtype"] = "bfloat16"
     try:
@@ -210,10 +210,16 @@ MODEL_FLAGS = {
 LLAMA_CHOICES = {"--normalization": "RMSNorm", "--position-embedding-type": "rope"}
 
 
-def model_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The model keys Megatron-LM's flags on the command line set (over the config's): a
-    pretrain_gpt.py line of a Llama-style model means the same model here."""
+def model_flags(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    """The model keys Megatron-LM's flags on the command line set over the ``config``'s model
+    section: a pretrain_gpt.py line of a Llama-style model means the same model here."""
     model = {key: getattr(args, name) for name, key in MODEL_FLAGS.items() if getattr(args, name) is not None}
+    seq_length = model.get("seq_length", config.get("seq_length"))
+    if args.max_position_embeddings is not None and seq_length and args.max_position_embeddings < seq_length:
+        raise UsageError(  # Megatron-LM's own rule, whatever the position embedding
+            "--max-position-embeddings",
+            f"{args.max_position_embeddings} is less than --seq-length {seq_length}: give at least that",
+        )
     for flag, built in LLAMA_CHOICES.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value != built:
