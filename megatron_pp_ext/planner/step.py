@@ -85,6 +85,11 @@ class Candidate:
     attention: str = "flash"  # or "unfused" (--attention-backend local|unfused; Megatron before 2023)
     vocab: str = "none"  # --pp-vocab-parallel vocab-1 | vocab-2
     micro_batch: int = 1  # --micro-batch-size: sequences per microbatch
+    # zb-auto's activation limit in M (the 1F1B peak); None: 1 M. Zero Bubble's ZB-2p is 2.
+    memory_limit: float | None = None
+    # transformer layers of each virtual stage when the run splits them itself (Zero Bubble's
+    # --allow-padding-num-layers: first and last stage one layer short); None: ``stage_layers``
+    layers: tuple[int, ...] | None = None
 
     def label(self) -> str:
         extra = [f"micro-batch {self.micro_batch}"] if self.micro_batch > 1 else []
@@ -95,6 +100,8 @@ class Candidate:
         extra += ["tp-comm-overlap"] if self.tp_comm_overlap else []
         extra += [self.vocab] if self.vocab != "none" else []
         extra += ["no grad-reduce overlap"] if not self.overlap_grad_reduce else []
+        extra += [f"memory limit {self.memory_limit:g} M"] if self.memory_limit is not None else []
+        extra += ["layers " + "/".join(map(str, self.layers))] if self.layers is not None else []
         return f"{self.layout.label()} {self.schedule} v{self.vpp} k{self.slices}" + "".join(
             f", {e}" for e in extra
         )
@@ -233,13 +240,21 @@ def simulated_count(microbatches: int, candidate: Candidate, full: bool) -> int:
 
 @lru_cache(maxsize=64)
 def _lowered(
-    name: str, pp: int, microbatches: int, vpp: int, slices: int, costs: Costs | None, vocab: str = "none"
+    name: str,
+    pp: int,
+    microbatches: int,
+    vpp: int,
+    slices: int,
+    costs: Costs | None,
+    vocab: str = "none",
+    memory_limit: float | None = None,
 ) -> Schedule:
     """Generated and lowered once; layouts with the same pipeline shape share it. Vocabulary
     passes are placed as the runtime places them (``add_vocab_passes`` at its own unit costs)."""
-    return lower(
-        add_vocab_passes(generate(name, pp, microbatches, vpp=vpp, slices=slices, costs=costs), vocab)
+    schedule = generate(
+        name, pp, microbatches, vpp=vpp, slices=slices, costs=costs, memory_limit=memory_limit
     )
+    return lower(add_vocab_passes(schedule, vocab))
 
 
 _OFFLOADED: dict[tuple[int, str, float], tuple[Schedule, Schedule]] = {}
@@ -283,6 +298,7 @@ def build_schedule(candidate: Candidate, microbatches: int, unit_costs: Costs | 
             candidate.slices,
             unit_costs if candidate.schedule == "zb-auto" else None,
             candidate.vocab,
+            candidate.memory_limit if candidate.schedule == "zb-auto" else None,
         )
     except RequestError as error:
         raise Rejection(f"schedule: {error.flag}", str(error)) from None
@@ -342,23 +358,18 @@ def stage_params(
     return params
 
 
-def evaluate(
-    problem: Problem, candidate: Candidate, full: bool = False, check_memory: bool = True
-) -> PlanResult:
-    """Simulate ``candidate``. Raises :class:`Rejection` if it cannot be built, or, without
-    offload and with ``check_memory``, if its memory (known before any replay) does not fit."""
+def pipeline_of(
+    problem: Problem, candidate: Candidate, microbatches: int
+) -> tuple[Schedule, PlanCosts, list[int]]:
+    """The schedule ``evaluate`` replays for ``candidate`` with ``microbatches``, its cost model
+    and the layers of each virtual stage (zb-auto planned with the cost model's layer times).
+    Raises :class:`Rejection` if it cannot be built."""
     layout = candidate.layout
-    m = microbatches_of(problem, candidate)
-    m_sim = simulated_count(m, candidate, full)
-    if m_sim > m:
-        raise Rejection(
-            "schedule: microbatches", f"{candidate.schedule} needs {m_sim} microbatches, the batch gives {m}"
-        )
     try:
-        layers = stage_layers(problem.shape.layers, layout.pp * candidate.vpp)
+        layers = _stage_layers(problem.shape.layers, layout.pp * candidate.vpp, candidate.layers)
     except ValueError as error:
         raise Rejection("too few layers", str(error)) from None
-    schedule = build_schedule(candidate, m_sim)
+    schedule = build_schedule(candidate, microbatches)
     try:
         costs = PlanCosts(
             problem.shape,
@@ -378,7 +389,22 @@ def evaluate(
         raise Rejection("indivisible: slices", str(error)) from None
     if candidate.schedule == "zb-auto":
         lt = costs.layer_seconds()
-        schedule = build_schedule(candidate, m_sim, Costs(lt.forward, lt.backward, lt.weight))
+        schedule = build_schedule(candidate, microbatches, Costs(lt.forward, lt.backward, lt.weight))
+    return schedule, costs, layers
+
+
+def evaluate(
+    problem: Problem, candidate: Candidate, full: bool = False, check_memory: bool = True
+) -> PlanResult:
+    """Simulate ``candidate``. Raises :class:`Rejection` if it cannot be built, or, without
+    offload and with ``check_memory``, if its memory (known before any replay) does not fit."""
+    m = microbatches_of(problem, candidate)
+    m_sim = simulated_count(m, candidate, full)
+    if m_sim > m:
+        raise Rejection(
+            "schedule: microbatches", f"{candidate.schedule} needs {m_sim} microbatches, the batch gives {m}"
+        )
+    schedule, costs, layers = pipeline_of(problem, candidate, m_sim)
     offloaded = 0
     if candidate.offload == "none" and check_memory:
         memory = _memory(problem, candidate, schedule, costs, peak_activations(schedule, costs), layers)
@@ -398,6 +424,15 @@ def evaluate(
     except ScheduleError as error:
         raise Rejection("schedule: simulation", str(error)) from None
     return _assemble(problem, candidate, schedule, costs, result, m, layers, offloaded)
+
+
+def _stage_layers(total: int, stages: int, given: tuple[int, ...] | None) -> list[int]:
+    """Layers of each virtual stage: ``stage_layers``'s split, or the run's own (``given``)."""
+    if given is None:
+        return stage_layers(total, stages)
+    if len(given) != stages or sum(given) != total or min(given) < 0:
+        raise ValueError(f"layers {list(given)} are not {total} layers over {stages} stages")
+    return list(given)
 
 
 def _per_microbatch_busy(schedule: Schedule, costs: PlanCosts) -> list[float]:
@@ -647,4 +682,5 @@ __all__ = [
     "evaluate",
     "lower_bound_memory",
     "lower_bound_time",
+    "pipeline_of",
 ]
