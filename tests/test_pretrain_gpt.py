@@ -186,7 +186,8 @@ TRAIN_MODEL = [  # TINY as train gives it: Megatron-LM's model flags over the ti
     "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "6",
     "--train-iters", "2", "--lr", "1e-3", "--untie-embeddings-and-output-weights",
     "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-    "--distributed-backend", "gloo", "--transformer-impl", "local",
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--hidden-dropout", "0",
+    "--attention-dropout", "0",
 ]  # fmt: skip
 P2, P4 = "--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 4"
 SLICED2 = f"{P2} --pp-schedule seq1f1b --pp-seq-slices 2"
@@ -282,6 +283,7 @@ def test_train_takes_the_model_flags_as_megatron_lm_reads_them() -> None:
         (["--num-query-groups", "2"], "--num-query-groups"),
         (["--normalization", "LayerNorm"], "--normalization"),
         (["--position-embedding-type", "learned_absolute"], "--position-embedding-type"),
+        (["--hidden-dropout", "0.1"], "--hidden-dropout"),
     ):
         with pytest.raises(UsageError) as error:
             settings_from_argv(["--num-attention-heads", "4", *bad])

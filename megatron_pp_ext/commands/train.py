@@ -223,6 +223,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--rotary-base", type=int, help="rotary embeddings' base")
     model.add_argument("--norm-epsilon", type=float, help="RMSNorm's epsilon")
     model.add_argument("--init-method-std", type=float, help="standard deviation of the initial weights")
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        model.add_argument(
+            flag, type=float, help="0 (train trains without dropout; Megatron's default is 0.1)"
+        )
     model.add_argument("--normalization", help="RMSNorm (what train builds)")
     model.add_argument("--position-embedding-type", help="rope (what train builds)")
     for flag, what in (

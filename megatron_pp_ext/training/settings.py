@@ -228,6 +228,14 @@ def model_flags(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, A
                 f"{flag} {value}: train builds Llama-style models ({flag} {built}); train this model "
                 "with Megatron-LM's pretrain_gpt.py (scripts/slurm/launch.sh), or study it with simulate",
             )
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value:  # None (not given) or 0
+            raise UsageError(
+                flag,
+                f"{flag} {value:g}: train runs without dropout (its losses are compared exactly across "
+                "schedules); give 0, or train with Megatron-LM's pretrain_gpt.py",
+            )
     if args.num_query_groups is not None and not args.group_query_attention:
         raise UsageError(
             "--num-query-groups", "needs --group-query-attention (without it Megatron-LM ignores it)"
