@@ -45,6 +45,7 @@ CASES: list[tuple[str, str]] = [
     ),
     ("train --hidden-size 60", "--hidden-size"),
     ("train --max-position-embeddings 64", "--max-position-embeddings"),
+    ("train --hidden-dropout 0.1", "--hidden-dropout"),
     ("train --config no-such-config", "--config"),
     ("train --config <tmp>/broken.yaml", "--config"),
     ("train --config <tmp>/a-list.yaml", "--config"),
