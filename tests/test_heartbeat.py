@@ -1,6 +1,6 @@
 """training/heartbeat.py: each rank's beat in the job's store, and the diagnosis a failed rank
 adds to its line (which rank is gone, which one is elsewhere). Ranks are Heartbeat objects of one
-process here, beating every 50 ms into a real TCPStore; the killed-rank run is in test_faults."""
+process here, beating every 100 ms into a real TCPStore; the killed-rank run is in test_faults."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron_pp_ext.training.heartbeat import Heartbeat
 
-BEAT_S = 0.05
+BEAT_S = 0.1  # three beats (the diagnosis window) = 0.3 s
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_a_rank_that_stopped_beating_is_named_silent_with_its_last_phase(store: 
     beats[2].stop()  # as SIGKILL leaves it: no last word
     try:
         assert beats[0].diagnose() == (
-            "rank 2 went silent (no heartbeat for 0.15 s: dead or stopped); "
+            "rank 2 went silent (no heartbeat for 0.3 s: dead or stopped); "
             "rank 2's last beat was in the optimizer step of iteration 3"
         )
     finally:
