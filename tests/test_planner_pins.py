@@ -235,6 +235,45 @@ def test_llama3_rows_are_reported_as_not_fitting_by_our_accounting() -> None:
             assert not predict(run).fits
 
 
+UNEVEN = (
+    "torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers 30 --hidden-size 4096 --num-attention-heads 32 "
+    "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 64 "
+    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --vocab-size 32000 --bf16 --swiglu"
+)
+
+
+@pytest.mark.parametrize(
+    "flags, layers",
+    [
+        ("--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 6", [6, 9, 9, 6]),
+        ("--decoder-first-pipeline-num-layers 6", [6, 8, 8, 8]),
+        ("--decoder-last-pipeline-num-layers 3", [9, 9, 9, 3]),
+    ],
+)
+def test_from_args_predicts_megatron_s_uneven_first_and_last_stages(
+    capsys: pytest.CaptureFixture, flags: str, layers: list[int]
+) -> None:
+    """megatron-core's split: the given layers on the end stages, the rest evenly over the others."""
+    code, out, err = run_cli(
+        capsys, ["plan", "--from-args", f"{UNEVEN} {flags}", "--json", "--max-simulations", "1"]
+    )
+    assert code == 0, err
+    run = json.loads(out)["run"]
+    assert run["stage_layers"] == layers and sum(layers) == 30
+
+
+def test_from_args_refuses_uneven_stages_megatron_core_refuses(capsys: pytest.CaptureFixture) -> None:
+    for flags, flag in (
+        ("--decoder-first-pipeline-num-layers 7", "--decoder-first-pipeline-num-layers"),
+        (
+            "--decoder-last-pipeline-num-layers 6 --num-virtual-stages-per-pipeline-rank 2",
+            "--decoder-last-pipeline-num-layers",
+        ),
+    ):
+        code, _, err = run_cli(capsys, ["plan", "--from-args", f"{UNEVEN} {flags}"])
+        assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_from_args_reads_its_own_flags_the_way_plan_emits_them(capsys: pytest.CaptureFixture) -> None:
     """Round trip: plan's --emit flags, given back through --from-args, predict the same plan
     (read back the way Megatron reads them: every pin from the line)."""

@@ -3,7 +3,7 @@
 layout choice, each pinned to what the line says or to Megatron's default where it says nothing.
 
 Only what the planner models is read; other flags are ignored. What changes the prediction but is
-not modelled (MoE, FP8, uneven first/last stages) is refused or noted, never silently dropped.
+not modelled (MoE, FP8, a custom layout) is refused or noted, never silently dropped.
 """
 
 from __future__ import annotations
@@ -127,16 +127,12 @@ def read_args(text: str) -> Run:
             raise ArgsError(
                 flag, f"{flag} {value}: mixture-of-experts models are not modelled by the planner"
             )
-    for flag in (
-        "--decoder-first-pipeline-num-layers",
-        "--decoder-last-pipeline-num-layers",
-        "--pipeline-model-parallel-layout",
-    ):
-        if getattr(args, flag[2:].replace("-", "_")) is not None:
-            raise ArgsError(
-                flag,
-                f"{flag}: uneven pipeline stages are not modelled by the planner (it splits layers evenly)",
-            )
+    if args.pipeline_model_parallel_layout is not None:
+        raise ArgsError(
+            "--pipeline-model-parallel-layout",
+            "--pipeline-model-parallel-layout: a custom layout is not modelled by the planner; "
+            "--decoder-first/last-pipeline-num-layers are",
+        )
     if args.fp8_format:
         notes.append(
             f"--fp8-format {args.fp8_format} is not modelled: predicted in BF16 (FP8 GEMMs would be faster)"
@@ -221,8 +217,11 @@ def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
     recompute_layers = None
     if recompute == "full" and args.recompute_method == "block":
         recompute_layers = args.recompute_num_layers or 1
+    layers = _uneven_stages(args, shape.layers, pp, vpp)
     try:
         return Pins(
+            stage_layers=layers,
+            even_layers=layers is None,
             tp=args.tensor_model_parallel_size or 1,
             cp=args.context_parallel_size or 1,
             pp=pp,
@@ -249,6 +248,32 @@ def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
         )
     except PinError as error:
         raise ArgsError(error.flag, str(error)) from None
+
+
+def _uneven_stages(args: argparse.Namespace, layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
+    """Layers per pipeline stage under ``--decoder-first/last-pipeline-num-layers``, as
+    megatron-core splits them: the given counts on the first and last stage, the rest evenly over
+    the others (it refuses a rest they cannot share); None when neither flag is given."""
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        return None
+    flag = f"--decoder-{'first' if first is not None else 'last'}-pipeline-num-layers"
+    if vpp > 1:
+        raise ArgsError(flag, f"{flag} with virtual stages is not modelled by the planner (VP 1 only)")
+    if pp < 2:
+        raise ArgsError(flag, f"{flag} needs --pipeline-model-parallel-size of at least 2")
+    ends = [count for count in (first, last) if count is not None]
+    if min(ends) < 0:
+        raise ArgsError(flag, f"{flag} must be at least 0, got {min(ends)}")
+    middle, rest = pp - len(ends), layers - sum(ends)
+    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+        raise ArgsError(
+            flag,
+            f"{layers} layers less {' and '.join(map(str, ends))} on the end stage(s) leave {rest}, "
+            f"which the {middle} other pipeline stage(s) cannot share evenly (megatron-core refuses it)",
+        )
+    split = [rest // middle] * middle if middle else []
+    return tuple(([first] if first is not None else []) + split + ([last] if last is not None else []))
 
 
 def read_sbatch(path: str) -> Run:

@@ -67,6 +67,8 @@ class Pins:
     grad_reduce_buckets: bool = False  # Megatron's own schedules (see step.Candidate)
     attention: str = "flash"  # "unfused": Megatron's score-matrix attention (see costs.py)
     even_layers: bool = True  # False: stages may differ by a layer (Llama 3's published split)
+    # the run's own layers per pipeline stage (--decoder-first/last-pipeline-num-layers); None: even
+    stage_layers: tuple[int, ...] | None = None
     flags: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -46,6 +46,7 @@ def pinned_candidate(problem: Problem, pins: Pins) -> Candidate:
         vpp,
         pins.slices or 1,
         micro_batch=micro_batch,
+        layers=pins.stage_layers,
         **pins.candidate_options(),
     )
 

@@ -182,6 +182,7 @@ class PlanResult:
             "pp": lay.pp,
             "dp": lay.dp,
             "vpp": c.vpp,
+            "stage_layers": None if c.layers is None else list(c.layers),  # None: an even split
             "schedule": c.schedule,
             "slices": c.slices,
             "offload": c.offload,
