@@ -7,7 +7,7 @@ shape, and ``scripts/slurm/launch.sh`` turns one into Megatron-LM flags with
     python -m megatron_pp_ext.configs check NAME --pipeline-model-parallel-size P ...
 
 A config has three sections: ``model`` (the shape and architecture, the fields of
-``megatron_pp_ext.megatron.model.ModelConfig``), ``training`` (layout and optimizer: tp, pp, dp,
+``megatron_pp_ext.megatron.model_config.ModelConfig``), ``training`` (layout and optimizer: tp, pp, dp,
 micro/global batch, lr, ...) and ``pipeline`` (schedule, chunks, slices). Pure Python, no torch:
 it runs on a login node. PyYAML when installed, else a reader for the subset the configs use
 (nested mappings of scalars), since a cluster's login node may lack PyYAML.
@@ -16,38 +16,23 @@ it runs on a login node. PyYAML when installed, else a reader for the subset the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from .megatron.model_config import BYTES, ModelConfig
 from .schedule.models import ModelShape
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
-# The model section's defaults: those of megatron_pp_ext.megatron.model.ModelConfig (a Llama-style
-# model; tests check the two agree). max_position_embeddings None: the sequence length.
+# The model section's defaults: ModelConfig's own (a Llama-style model; model_config.py is free of
+# torch too). max_position_embeddings None: the sequence length.
 MODEL_DEFAULTS: dict[str, Any] = {
-    "num_layers": 4,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_kv_heads": 2,
-    "ffn_hidden_size": 128,
-    "vocab_size": 256,
-    "seq_length": 32,
-    "dtype": "float32",
-    "rotary_base": 10000,
-    "norm_epsilon": 1e-5,
-    "init_std": 0.02,
-    "normalization": "RMSNorm",
-    "activation": "swiglu",
-    "position_embedding": "rope",
-    "max_position_embeddings": None,
-    "tied_embeddings": False,
-    "bias": False,
+    field.name: field.default for field in dataclasses.fields(ModelConfig) if field.name != "extra"
 }
-BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
 class ConfigError(ValueError):

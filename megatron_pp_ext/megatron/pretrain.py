@@ -176,16 +176,15 @@ def check_args(args: Any) -> None:
             megatron_flag = "--num-virtual-stages-per-pipeline-rank"
             raise OptionError(error.reason.replace("--pp-chunks", megatron_flag), megatron_flag) from None
         raise
+    # Two different counts were refused by chunks_per_rank; left is a schedule of several chunks
+    # where Megatron builds one (arguments it got after the parser: a YAML config, a checkpoint's).
     chunks = schedule.num_stages // pp
     megatron_chunks = args.virtual_pipeline_model_parallel_size or 1
     if chunks != megatron_chunks:
         raise OptionError(
             f"--pp-schedule {schedule.name} runs {chunks} model chunks per pipeline rank but Megatron "
             f"builds {megatron_chunks}: add --num-virtual-stages-per-pipeline-rank {chunks} "
-            f"(or drop --pp-chunks)"
-            if megatron_chunks == 1
-            else f"--pp-chunks {options.chunks} and --num-virtual-stages-per-pipeline-rank "
-            f"{megatron_chunks} disagree: give one of them",
+            f"(or drop --pp-chunks)",
             "--num-virtual-stages-per-pipeline-rank",
         )
     placement = schedule.placement
