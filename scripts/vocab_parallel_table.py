@@ -11,7 +11,7 @@ Simulator, FLOP model, as ``megatron-pp-ext simulate --model llama3-8b --seq-len
 its defaults: sequence 4096, micro-batch 1, bf16, TP=1, DP=1, no distributed optimizer, 400 TFLOP/s
 at 50% (200 TFLOP/s delivered), p2p 50 GB/s, m = 4p, layers split as the runtime splits them
 (``stage_layers``). Gemma-2 9B is no preset and no config (its head dimension, 256, is not
-hidden/heads, which a ``configs/*.yaml`` cannot express), so the rows come from the Python API that
+hidden/heads, which a ``configs/*.yaml`` cannot express), so its shape is handed to the function
 ``simulate`` runs. Peak is activations plus weights, fp32 gradients and Adam state; act is
 activations only; max/min is over ranks.
 """
@@ -20,14 +20,9 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_pp_ext.schedule.flops import flop_costs_for
-from megatron_pp_ext.schedule.generators import generate
-from megatron_pp_ext.schedule.memory_model import stage_layers, static_memory
+from megatron_pp_ext.commands import simulate as simulate_command
 from megatron_pp_ext.schedule.models import ModelShape, get_model
 from megatron_pp_ext.schedule.replay import SimResult
-from megatron_pp_ext.schedule.simulate import simulate
-from megatron_pp_ext.schedule.validate import validate
-from megatron_pp_ext.schedule.vocab import add_vocab_passes, vocab_static_memory
 
 SEQ_LENGTH = 4096
 GIB = 2**30
@@ -51,27 +46,17 @@ def max_over_min(values: list[float]) -> float:
 def simulated(
     model: str, schedule_name: str, pp: int, microbatches: int, variant: str
 ) -> tuple[SimResult, list[float]]:
-    """The replay of ``schedule_name`` with the vocabulary passes of ``variant`` (none: the output
-    layer on the last stage), as ``simulate`` runs it, and each rank's total memory in bytes."""
-    shape = MODELS[model]
-    schedule = generate(schedule_name, pp, microbatches)
-    layers = stage_layers(shape.layers, schedule.num_stages)
-    costs = flop_costs_for(
-        shape,
-        schedule,
-        seq_length=SEQ_LENGTH,
-        partition=schedule.meta.get("partition", "uniform"),
-        layers_per_stage=layers,
-        vocab_parallel=variant,
-    )
-    if variant != "none":
-        schedule = add_vocab_passes(schedule, variant, costs)
-        validate(schedule)
-    result = simulate(schedule, costs)
-    layout = vocab_static_memory if variant != "none" else static_memory
-    static = layout(shape, schedule.placement, layers_per_stage=layers)
-    totals = [parts.with_activations(peak).total for parts, peak in zip(static, result.peak_memory_per_rank)]
-    return result, totals
+    """``simulate --model MODEL --schedule S --pp P --microbatches M --pp-vocab-parallel V``
+    (its defaults, its vocabulary passes and message order: the run's FLOP costs), with Gemma-2
+    9B's shape given directly, and each rank's total memory in bytes."""
+    parser = argparse.ArgumentParser()
+    simulate_command.add_parser(parser.add_subparsers())
+    flags = ["--schedule", schedule_name, "--pp", str(pp), "--microbatches", str(microbatches)]
+    args = parser.parse_args(["simulate", *flags, "--pp-vocab-parallel", variant])
+    args.model, args.model_shape, args.seq_length = model, MODELS[model], SEQ_LENGTH
+    result = simulate_command.simulate_one(args, schedule_name)
+    memory = simulate_command.rank_memory(args, result) or []
+    return result, [parts.total for parts in memory]
 
 
 def row(model: str, schedule_name: str, pp: int, microbatches: int, variant: str) -> str:

@@ -13,9 +13,11 @@ from megatron_pp_ext.schedule.generators import SCHEDULES, generate
 from megatron_pp_ext.schedule.ir import Op, OpKind, Schedule, format_op
 from megatron_pp_ext.schedule.lowering import insert_offload, insert_p2p, lower
 from megatron_pp_ext.schedule.message_order import order_messages
+from megatron_pp_ext.schedule.models import get_model
 from megatron_pp_ext.schedule.nccl_check import Hang, check_nccl, nccl_summary
 from megatron_pp_ext.schedule.nccl_replay import CommOp, Program, Replay, Thread
 from megatron_pp_ext.schedule.redistribute import delegation_plan
+from megatron_pp_ext.schedule.run_costs import RunShape, run_costs
 from megatron_pp_ext.schedule.validate import validate
 from megatron_pp_ext.schedule.vocab import add_vocab_passes
 
@@ -374,7 +376,10 @@ def test_every_generator_completes_in_its_message_order(pp: int) -> None:
     """The issue's sweep: p = 2..8, m = p..3p (every p/2), every slice count in {1, 2, p, 2p} the
     generator allows, without vocabulary parallelism and with both variants, offload none and
     full: every lowered schedule completes under rules 1-3 with the warm-up (and with lazy
-    creation, but for vocab-2, whose reduce worker issues outside the step's order)."""
+    creation, but for vocab-2, whose reduce worker issues outside the step's order). Each is
+    resolved at unit costs and at a run's FLOP costs (schedule/run_costs.py, as the runtime
+    resolves it): the warmed checks hold for both."""
+    run = RunShape(get_model("llama3-8b"), 8 * 1680)  # cut evenly into 1..8, 10, 12, 14 or 16 slices
     checked = 0
     for name, spec in SCHEDULES.items():
         least = max(1, spec.min_slices(pp, spec.default_vpp))
@@ -388,6 +393,10 @@ def test_every_generator_completes_in_its_message_order(pp: int) -> None:
                         assert check_nccl(copies, strict=True, warmed=True) is None, (name, variant)
                     if variant != "vocab-2":
                         assert check_nccl(schedule, strict=True, warmed=False) is None, (name, variant)
+                    costs = run_costs(run, generated, variant)
+                    at_run = lower(add_vocab_passes(generated, variant, costs), costs)
+                    for copies in (at_run, insert_offload(at_run, lookahead=0)):
+                        assert check_nccl(copies, strict=True, warmed=True) is None, (name, variant, "run")
                     checked += 1
     assert checked > 0
 

@@ -27,6 +27,7 @@ from ..schedule.costs import CostModel, UniformCosts
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule, load
 from ..schedule.iterations import IterationsResult, simulate_iterations
+from ..schedule.lowering import lower
 from ..schedule.memory_model import MemoryParts, ParallelError, Parallelism, check_parallel, stage_layers
 from ..schedule.models import ModelShape
 from ..schedule.nccl_check import nccl_summary
@@ -37,6 +38,7 @@ from ..schedule.offload import (
     policy_from_args,
     ratio_from_costs,
 )
+from ..schedule.run_costs import RunShape, run_costs
 from ..schedule.simulate import SimResult, simulate
 from ..schedule.validate import ScheduleError, validate
 from ..schedule.vocab import GEMMS, UNIFORM_GEMM, VARIANTS, VocabError, add_vocab_passes, unsplit_costs
@@ -512,22 +514,39 @@ def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
     except ScheduleError as error:
         raise UsageError(flag, str(error)) from None
     model = model_for(args, schedule, costs)
+    run = run_of(args)
     variant = args.pp_vocab_parallel
     if variant == "none":
-        return finish(args, schedule, model)
+        return finish(args, as_run(schedule, run), model)
     if schedule.vocab_parallel != "none":
         raise UsageError("--pp-vocab-parallel", "the schedule file already has vocabulary passes")
     vocab_model = model_for(args, schedule, costs, variant)
     try:
-        spread = add_vocab_passes(schedule, variant, vocab_model)
+        placing = vocab_model if run is None else run_costs(run, schedule, variant)
+        spread = add_vocab_passes(schedule, variant, placing)
         validate(spread)
     except (VocabError, ScheduleError) as error:
         raise UsageError("--pp-vocab-parallel", str(error)) from None
-    result = finish(args, spread, vocab_model, plan=schedule)
+    result = finish(args, as_run(spread, run), vocab_model, plan=schedule)
     if isinstance(vocab_model, UniformCosts):
         model = unsplit_costs(vocab_model, schedule)  # the last stage carries the output layer
-    result.without_vocab = finish(args, schedule, model)
+    result.without_vocab = finish(args, as_run(schedule, run), model)
     return result
+
+
+def run_of(args: argparse.Namespace) -> RunShape | None:
+    """The run ``--model`` describes: its FLOP costs place the vocabulary passes and order the
+    messages, as the runtime resolves the schedule (``schedule/run_costs.py``); None without a
+    model (unit costs, as a schedule without a model runs)."""
+    if args.model is None:
+        return None
+    return RunShape(model_shape(args), args.seq_length)
+
+
+def as_run(schedule: Schedule, run: RunShape | None) -> Schedule:
+    """``schedule`` lowered as the runtime lowers it for ``run`` (unchanged without one: the
+    replay lowers it at unit costs)."""
+    return schedule if run is None else lower(schedule, run_costs(run, schedule))
 
 
 def model_for(

@@ -27,9 +27,11 @@ from typing import Any
 
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule
+from ..schedule.lowering import lower
 from ..schedule.models import ModelShape, megatron_shape
 from ..schedule.offload import OffloadError, OffloadPolicy, add_offload_args, apply_offload, parse_chunks
 from ..schedule.partition import PartitionError, slice_lengths
+from ..schedule.run_costs import RunShape, run_costs
 
 
 class OptionError(ValueError):
@@ -113,10 +115,16 @@ class PipelineOptions:
         )
 
     def schedule_for(
-        self, pp: int, num_microbatches: int, flags: dict[str, str] = MEGATRON_FLAGS
+        self,
+        pp: int,
+        num_microbatches: int,
+        flags: dict[str, str] = MEGATRON_FLAGS,
+        run: RunShape | None = None,
     ) -> Schedule:
         """Generate (and so check) the schedule; a bad request raises :class:`OptionError` naming
-        the flag, as ``flags`` translates the generator's flag names."""
+        the flag, as ``flags`` translates the generator's flag names. The schedule comes lowered:
+        its vocabulary passes placed and its messages ordered by the FLOP costs of ``run`` (the
+        model and batch every rank knows alike: ``schedule/run_costs.py``), or at unit costs."""
         try:
             schedule = generate(
                 self.schedule,
@@ -132,18 +140,34 @@ class PipelineOptions:
         if self.slice_partition:
             schedule.meta["partition"] = self.slice_partition
         self.check_redistribution(schedule, flags)
-        schedule = self.with_vocab(schedule)
+        costs = None if run is None else self.run_costs(schedule, run, flags)
+        schedule = lower(self.with_vocab(schedule, costs), costs)
         if self.offload == "auto":
             self.offload_policy()  # checks the flags; k is known once the model runs
         else:
-            schedule = self.with_offload(schedule)
+            schedule = self.with_offload(schedule)  # copies added to the lowered order
         check_under_nccl(schedule)
         return schedule
 
-    def with_vocab(self, schedule: Schedule) -> Schedule:
+    def run_costs(self, schedule: Schedule, run: RunShape, flags: dict[str, str] = MEGATRON_FLAGS) -> Any:
+        """The FLOP costs every rank of ``run`` computes alike for ``schedule`` (with this
+        vocabulary variant); too few layers or a sequence that cannot be cut raise
+        :class:`OptionError`."""
+        self.slice_lengths(schedule, run.seq_length, run.shape, flags)
+        try:
+            return run_costs(run, schedule, self.vocab_parallel)
+        except ValueError as error:  # fewer layers than virtual stages
+            raise OptionError(
+                f"{error} ({schedule.name} on {schedule.pp} pipeline ranks has {schedule.num_stages} "
+                f"virtual stages; use a --num-layers of at least {schedule.num_stages})",
+                "--num-layers",
+            ) from None
+
+    def with_vocab(self, schedule: Schedule, costs: Any = None) -> Schedule:
         """``--pp-vocab-parallel``: the schedule with the vocabulary ops (before offload, which
-        moves the chunks' activations and leaves S/T's state alone), with sequence slices only
-        under ``--calculate-per-token-loss`` (a slice's loss gradient is then known at its forward)."""
+        moves the chunks' activations and leaves S/T's state alone), placed by a replay at
+        ``costs`` (default: unit costs), with sequence slices only under
+        ``--calculate-per-token-loss`` (a slice's loss gradient is then known at its forward)."""
         if self.vocab_parallel == "none":
             return schedule
         if self.vocab_parallel not in VOCAB_CHOICES:
@@ -161,7 +185,7 @@ class PipelineOptions:
         from ..schedule.vocab import VocabError, add_vocab_passes
 
         try:
-            return add_vocab_passes(schedule, self.vocab_parallel)
+            return add_vocab_passes(schedule, self.vocab_parallel, costs)
         except VocabError as error:
             raise OptionError(str(error), VOCAB_FLAG) from None
 
@@ -204,6 +228,14 @@ class PipelineOptions:
         except PartitionError as error:
             message = re.sub(r"(?<![\w-])--slices\b", flags.get("--slices", "--slices"), str(error))
             raise OptionError(message, flags.get(error.flag, error.flag)) from None
+
+
+def run_shape(shape: ModelShape | None, seq_length: int | None) -> RunShape | None:
+    """The run's FLOP costs depend on the model's ``shape`` and the sequence length, which every
+    rank knows alike (None without a shape or a sequence length: unit costs then)."""
+    if shape is None or not seq_length:
+        return None
+    return RunShape(shape, int(seq_length))
 
 
 def chunks_per_rank(pp_chunks: int | None, virtual_stages: int | None) -> int | None:
@@ -332,19 +364,21 @@ class Installed:
     ``losses_on_last_rank``: return the loss dicts on the pipeline's last rank, where Megatron-LM's
     ``train_step`` and ``evaluate`` read them, even when the schedule computes the loss on another
     rank (V-shape: rank 0); that rank then returns an empty list. Off, they stay where computed.
-    ``wrap_forward_step``: applied to Megatron's ``forward_step_func`` at each call."""
+    ``wrap_forward_step``: applied to Megatron's ``forward_step_func`` at each call. ``args``:
+    Megatron-LM's parsed arguments, where the model's shape is read for the run's costs."""
 
     def __init__(
         self,
         options: PipelineOptions,
         losses_on_last_rank: bool = False,
         wrap_forward_step: Callable[[Callable], Callable] | None = None,
+        args: Any = None,
     ) -> None:
         self.options = options
         self.losses_on_last_rank = losses_on_last_rank
         self.wrap_forward_step = wrap_forward_step
         self._runtimes: dict[tuple[int, ...], Any] = {}
-        self._schedules: dict[tuple[int, int], Schedule] = {}
+        self._schedules: dict[tuple[int, int, RunShape | None], Schedule] = {}
         self._auto_offload: dict[tuple[int, int, int], Schedule] = {}
         self._patched: list[tuple[Any, str, Any]] = []
         self.last_result: Any = None  # the runtime's StepResult of the last call
@@ -355,6 +389,10 @@ class Installed:
         # optimizer post-validation: settles the previous step at the next step's validation
         # gate (``PipelineRuntime.step``); set by the training loop that owns the optimizer
         self.gate: Callable[[], bool] | None = None
+        # the whole model's shape, which the run's FLOP costs come from (schedule/run_costs.py):
+        # set by whoever builds the model (train), else read from Megatron-LM's ``args``
+        self.model: ModelShape | None = None
+        self.args = args
 
     @property
     def comm(self) -> Any:
@@ -373,7 +411,8 @@ class Installed:
 
         models = kwargs["model"] if isinstance(kwargs["model"], (list, tuple)) else [kwargs["model"]]
         runtime = self._runtime(models)
-        schedule = self.schedule(runtime.comm.size, kwargs["num_microbatches"])
+        run = run_shape(self.model_shape(), kwargs.get("seq_length"))
+        schedule = self.schedule(runtime.comm.size, kwargs["num_microbatches"], run)
         if self.options.offload == "auto":
             schedule = self.auto_offload(schedule, runtime, kwargs["seq_length"])
         if self.wrap_forward_step is not None:
@@ -410,10 +449,18 @@ class Installed:
 
     # -- pieces -------------------------------------------------------------------------------
 
-    def schedule(self, pp: int, num_microbatches: int) -> Schedule:
-        key = (pp, num_microbatches)
+    def model_shape(self) -> ModelShape | None:
+        """The whole model's shape: :attr:`model`, else Megatron-LM's args (padded vocabulary)."""
+        args = self.args
+        if self.model is None and getattr(args, "num_layers", None) and getattr(args, "hidden_size", None):
+            self.model = megatron_shape(args, getattr(args, "padded_vocab_size", None) or 1)
+        return self.model
+
+    def schedule(self, pp: int, num_microbatches: int, run: RunShape | None = None) -> Schedule:
+        """The schedule of a step (``run``: resolved with the run's costs, as steps run it)."""
+        key = (pp, num_microbatches, run)
         if key not in self._schedules:
-            self._schedules[key] = self.options.schedule_for(pp, num_microbatches)
+            self._schedules[key] = self.options.schedule_for(pp, num_microbatches, run=run)
         return self._schedules[key]
 
     def auto_offload(self, schedule: Schedule, runtime: Any, seq_length: int) -> Schedule:
@@ -520,7 +567,7 @@ def install(
             _check_context_parallel(lengths, args)
     if _active is not None:
         _active.uninstall()
-    hook = Installed(options, losses_on_last_rank, wrap_forward_step)
+    hook = Installed(options, losses_on_last_rank, wrap_forward_step, args)
     hook.patch()
     _active = hook
     return hook

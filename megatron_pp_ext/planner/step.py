@@ -28,6 +28,7 @@ from ..schedule.memory_model import padded_vocab, stage_layers, static_memory
 from ..schedule.models import ModelShape
 from ..schedule.offload import OffloadError, OffloadPolicy, apply_offload
 from ..schedule.partition import PartitionError
+from ..schedule.run_costs import RunShape, run_costs
 from ..schedule.simulate import SimResult, simulate
 from ..schedule.validate import ScheduleError
 from ..schedule.vocab import VocabError, add_vocab_passes, vocab_static_memory
@@ -249,13 +250,16 @@ def _lowered(
     costs: Costs | None,
     vocab: str = "none",
     memory_limit: float | None = None,
+    run: RunShape | None = None,
 ) -> Schedule:
-    """Generated and lowered once; layouts with the same pipeline shape share it. Vocabulary
-    passes are placed as the runtime places them (``add_vocab_passes`` at its own unit costs)."""
+    """Generated and lowered once; layouts with the same pipeline shape and run share it. The
+    vocabulary passes are placed and the messages ordered as the runtime does it for ``run``
+    (``schedule/run_costs.py``; unit costs without one)."""
     schedule = generate(
         name, pp, microbatches, vpp=vpp, slices=slices, costs=costs, memory_limit=memory_limit
     )
-    return lower(add_vocab_passes(schedule, vocab))
+    order = None if run is None else run_costs(run, schedule, vocab)
+    return lower(add_vocab_passes(schedule, vocab, order), order)
 
 
 _OFFLOADED: dict[tuple[int, str, float], tuple[Schedule, Schedule]] = {}
@@ -289,7 +293,11 @@ def offload_ratio(schedule: Schedule, costs: PlanCosts) -> float:
     return copy / compute
 
 
-def build_schedule(candidate: Candidate, microbatches: int, unit_costs: Costs | None = None) -> Schedule:
+def build_schedule(
+    candidate: Candidate, microbatches: int, unit_costs: Costs | None = None, run: RunShape | None = None
+) -> Schedule:
+    """``candidate``'s schedule as the runtime resolves it for ``run``; :class:`Rejection` if it
+    cannot be built."""
     try:
         return _lowered(
             candidate.schedule,
@@ -300,6 +308,7 @@ def build_schedule(candidate: Candidate, microbatches: int, unit_costs: Costs | 
             unit_costs if candidate.schedule == "zb-auto" else None,
             candidate.vocab,
             candidate.memory_limit if candidate.schedule == "zb-auto" else None,
+            run,
         )
     except RequestError as error:
         raise Rejection(f"schedule: {error.flag}", str(error)) from None
@@ -370,7 +379,11 @@ def pipeline_of(
         layers = _stage_layers(problem.shape.layers, layout.pp * candidate.vpp, candidate.layers)
     except ValueError as error:
         raise Rejection("too few layers", str(error)) from None
-    schedule = build_schedule(candidate, microbatches)
+    run = RunShape(problem.shape, problem.seq_length, tuple(layers) if candidate.layers else None)
+    try:
+        schedule = build_schedule(candidate, microbatches, run=run)
+    except PartitionError as error:
+        raise Rejection("indivisible: slices", str(error)) from None
     try:
         costs = PlanCosts(
             problem.shape,
@@ -390,7 +403,7 @@ def pipeline_of(
         raise Rejection("indivisible: slices", str(error)) from None
     if candidate.schedule == "zb-auto":
         lt = costs.layer_seconds()
-        schedule = build_schedule(candidate, microbatches, Costs(lt.forward, lt.backward, lt.weight))
+        schedule = build_schedule(candidate, microbatches, Costs(lt.forward, lt.backward, lt.weight), run)
     return schedule, costs, layers
 
 

@@ -1,23 +1,23 @@
 """Lowering passes: turn a schedule of compute ops into one the runtime can execute.
 
-A pass is a function ``Schedule -> Schedule``. :func:`insert_p2p` adds the point-to-point
+Each pass is a function ``Schedule -> Schedule``. :func:`insert_p2p` adds the point-to-point
 communication: a RECV right before each compute op whose input lives on another rank, and a
 SEND right after each compute op whose output another rank needs. Two stages on the same rank
 (the tip of a V) hand over in memory and get no comm op. :func:`order_messages` then moves the
 RECVs earlier (and the vocabulary collectives later) into one global order of the step's
 messages. :func:`insert_offload` adds the activation copies of PipeOffload (which units to copy
-is a policy: ``offload.py``). Later passes plug into :func:`lower` the same way.
+is a policy: ``offload.py``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Collection
+from typing import Any
 
 from .ir import Op, OpKind, Schedule
 from .message_order import order_messages as in_one_order
 
-Pass = Callable[[Schedule], Schedule]
 Unit = tuple[int, int, int]  # (stage, microbatch, slice)
 
 
@@ -118,25 +118,18 @@ def insert_offload(schedule: Schedule, units: Collection[Unit] | None = None, lo
     return schedule.with_ranks(ranks)
 
 
-def offload_pass(units: Collection[Unit] | None = None, lookahead: int = 1) -> Pass:
-    """:func:`insert_offload` as a pass for :func:`lower`."""
-    return lambda schedule: insert_offload(schedule, units, lookahead)
-
-
-def order_messages(schedule: Schedule) -> Schedule:
+def order_messages(schedule: Schedule, costs: Any = None) -> Schedule:
     """Post the RECVs and issue the vocabulary collectives in one global order of the step's
-    messages (``message_order.py``: NCCL's in-order completion cannot hang it then)."""
-    return in_one_order(schedule)
+    messages (``message_order.py``: NCCL's in-order completion cannot hang it then), the order
+    a replay at ``costs`` sends them in (default: unit costs; a run's own: ``run_costs.py``)."""
+    return in_one_order(schedule, costs)
 
 
-DEFAULT_PASSES: tuple[Pass, ...] = (insert_p2p, order_messages)
-
-
-def lower(schedule: Schedule, passes: tuple[Pass, ...] = DEFAULT_PASSES) -> Schedule:
-    """``schedule`` with its communication ops; a schedule that has them already is returned
-    as it is (offload adds its copies to a lowered schedule, which must keep its order)."""
+def lower(schedule: Schedule, costs: Any = None) -> Schedule:
+    """``schedule`` with its communication ops, its messages ordered by a replay at ``costs``
+    (default: unit costs; a run's own: ``run_costs.run_costs``); a schedule that has them
+    already is returned as it is (offload adds its copies to a lowered schedule, which must keep
+    its order)."""
     if schedule.is_lowered:
         return schedule
-    for lowering_pass in passes:
-        schedule = lowering_pass(schedule)
-    return schedule
+    return order_messages(insert_p2p(schedule), costs)

@@ -13,7 +13,8 @@ from .. import logs
 from ..errors import UsageError
 from ..megatron import datasets
 from ..megatron.hook import OptionError
-from ..megatron.model_config import ModelConfig, split_layers
+from ..megatron.model_config import ModelConfig
+from ..schedule.run_costs import RunShape
 from .settings import MODEL_FLAGS, TRAIN_FLAGS, TrainSettings
 
 
@@ -63,19 +64,12 @@ def check(settings: TrainSettings) -> None:
         flags["--microbatches"] = "--global-batch-size"
     if settings.chunks_flag is not None:
         flags["--vpp"] = settings.chunks_flag
+    run = RunShape(model.shape(), model.seq_length)  # the schedule checked is the one the run runs
     try:
-        schedule = settings.pipeline.schedule_for(settings.pp, settings.microbatches, flags)
+        schedule = settings.pipeline.schedule_for(settings.pp, settings.microbatches, flags, run)
     except OptionError as error:
         raise UsageError(error.flag, error.reason) from None
     _check_transformer_impl(settings, schedule)
-    try:
-        split_layers(model.num_layers, schedule.num_stages)
-    except ValueError as error:
-        raise UsageError(
-            "--num-layers",
-            f"{error} ({settings.pipeline.schedule} on {settings.pp} pipeline ranks has "
-            f"{schedule.num_stages} virtual stages; use a --num-layers of at least {schedule.num_stages})",
-        ) from None
     if schedule.slices > 1:
         try:
             lengths = settings.pipeline.slice_lengths(schedule, model.seq_length, model.shape(), TRAIN_FLAGS)

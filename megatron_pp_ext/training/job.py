@@ -26,6 +26,7 @@ from .. import launch
 from ..logs import Logs
 from ..megatron import cpu_shim, install
 from ..megatron.checkpoint import TrainingCheckpoint, find_checkpoint, iteration_dir
+from ..megatron.hook import run_shape
 from ..megatron.model import split_layers
 from ..megatron.optimizer import StepInfo
 from ..megatron.steps import forward_step
@@ -62,8 +63,10 @@ class TrainJob:
 
     def _build(self) -> None:
         settings = self.settings
-        self.schedule = self.hook.schedule(settings.pp, settings.microbatches)
         self.model_config = model_config(settings)
+        self.hook.model = self.model_config.shape()  # the run's costs order its schedule
+        run = run_shape(self.hook.model, self.model_config.seq_length)
+        self.schedule = self.hook.schedule(settings.pp, settings.microbatches, run)  # as the steps run it
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
         # Losses are reported per CP rank (its own tokens): summed over DP x CP. Data goes by DP rank.
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
