@@ -30,7 +30,7 @@ back or not. The rollback copy costs one copy of the parameters and of the optim
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +84,9 @@ class PostValidation:
     group (the synchronous optimizer's), started together. ``chain``: the pipeline ranks in the
     order the partial state visits them (default: the last rank down to rank 0). ``device``:
     where the state lives; given, every chain set also creates its communicators at once
-    (:meth:`warm_up`)."""
+    (:meth:`warm_up`). :attr:`launch_queue`: where this rank's operations are launched once the
+    pipeline has a queue (``runtime/launch_order.Launcher``: one launch order with the steps'
+    messages, as NCCL completes a GPU's communication; the training loop sets it)."""
 
     def __init__(
         self,
@@ -101,6 +103,7 @@ class PostValidation:
         self.ranks = dist.get_process_group_ranks(self.pipeline_group)
         self.group_ranks = dist.get_process_group_ranks(self.model_parallel_group)
         self.index = self.ranks.index(dist.get_rank())
+        self.launch_queue: Callable[[], Any] = lambda: None  # the Launcher, or None: launch at once
         self.set_chain(list(reversed(range(len(self.ranks)))) if chain is None else chain)
 
     def set_chain(self, chain: Sequence[int]) -> None:
@@ -127,20 +130,31 @@ class PostValidation:
         """Start the global all-reduce of ``local`` (a float64 scalar), take the partial state
         of the ranks before this one in the chain, add ours and start sending it on."""
         total = local.clone()
-        work = dist.all_reduce(total, group=self.model_parallel_group, async_op=True)
+        work = self._launch(
+            lambda: dist.all_reduce(total, group=self.model_parallel_group, async_op=True),
+            f"rank {self.index}: post-validation all-reduce",
+        )
         partial = local.clone()
         hop = None
         if self.previous is not None:
             received = torch.empty_like(partial)
-            with _named(f"rank {self.index}: post-validation partial state from rank {self.previous}"):
-                dist.recv(received, src=self.ranks[self.previous], group=self.pipeline_group)
+            what = f"rank {self.index}: post-validation partial state from rank {self.previous}"
+            with _named(what):
+                source = self.ranks[self.previous]
+                self._launch(lambda: dist.irecv(received, src=source, group=self.pipeline_group), what).wait()
             partial += received
         if self.next is not None:
-            with _named(f"rank {self.index}: post-validation partial state to rank {self.next}"):
-                hop = dist.isend(partial, dst=self.ranks[self.next], group=self.pipeline_group)
+            what = f"rank {self.index}: post-validation partial state to rank {self.next}"
+            with _named(what):
+                target = self.ranks[self.next]
+                hop = self._launch(lambda: dist.isend(partial, dst=target, group=self.pipeline_group), what)
         return PendingState(
             float(partial), total, work, self.index, self.group_ranks, self.next, hop, partial
         )
+
+    def _launch(self, start: Callable[[], Any], what: str) -> Any:
+        queue = self.launch_queue()
+        return start() if queue is None else queue(start, what)
 
 
 class Snapshot:

@@ -94,6 +94,8 @@ class PostValidatedSteps(OptimizerSteps):
 
     def install(self, hook: Any) -> None:
         hook.gate = self.gate
+        # the global check launches in the pipeline's order once the runtime has one (NCCL's rule 3)
+        self.optimizer.validation.launch_queue = lambda: hook.comm.launch if hook.comm else None
 
     def gate(self) -> bool:
         """At the validation gate of a step: settle the previous optimizer step (its global check;
