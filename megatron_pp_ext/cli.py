@@ -52,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        status = int(args.run(args) or 0)
+        sys.stdout.flush()  # here, so that a reader gone away is answered below
+        return status
+    except BrokenPipeError:  # the reader (head, less) went away: stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit
+        return 1
     except UsageError as error:
         print(f"megatron-pp-ext {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -97,3 +97,13 @@ def test_bad_train_input_fails_before_torch_is_imported(args: list[str]) -> None
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "megatron-pp-ext train: error: " in done.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    """``simulate ... | head``: once the reader is gone the output has nowhere to go; the command
+    stops without a traceback (exit 1), as other command-line tools do. ``true`` reads nothing
+    and is gone long before the simulation prints, so the write fails every time."""
+    command = f"{sys.executable} -m megatron_pp_ext simulate --model llama3-8b --pp 8 | true"
+    done = subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True)
+    assert done.stderr == "", done.stderr
+    assert done.returncode == 1
