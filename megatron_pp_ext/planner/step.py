@@ -381,7 +381,10 @@ def pipeline_of(
         raise Rejection("too few layers", str(error)) from None
     run = RunShape(problem.shape, problem.seq_length, tuple(layers) if candidate.layers else None)
     try:
-        schedule = build_schedule(candidate, microbatches, run=run)
+        if candidate.schedule == "zb-auto":  # planned with the cost model's times: the model first,
+            schedule = generate("1f1b", layout.pp, microbatches)  # on a schedule of its stages
+        else:
+            schedule = build_schedule(candidate, microbatches, run=run)
     except PartitionError as error:
         raise Rejection("indivisible: slices", str(error)) from None
     try:
