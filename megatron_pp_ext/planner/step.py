@@ -385,6 +385,8 @@ def pipeline_of(
             schedule = generate("1f1b", layout.pp, microbatches)  # on a schedule of its stages
         else:
             schedule = build_schedule(candidate, microbatches, run=run)
+    except RequestError as error:
+        raise Rejection(f"schedule: {error.flag}", str(error)) from None
     except PartitionError as error:
         raise Rejection("indivisible: slices", str(error)) from None
     try:

@@ -6,7 +6,7 @@ the step's messages in the order the replay sends them. Every rank must derive t
 so the costs must be ones every rank can compute alike. Unit costs are such costs, and they are
 what a schedule without a model gets; but they are wrong where the ops are not alike: a
 vocabulary pass of Gemma-2 9B (V = 256000) costs far more than a unit, and the order and places
-worked out at unit costs then make the simulated step up to 21% longer (docs/vocab_parallel.md).
+worked out at unit costs then make the simulated step up to 20% longer (docs/vocab_parallel.md).
 
 Every rank knows the model's shape and the sequence length, so it can compute the FLOP model's
 durations (``flops.py``), bit for bit the same on every rank. They count a whole layer's FLOPs
