@@ -160,3 +160,27 @@ def test_the_hook_reads_the_model_from_megatron_args() -> None:
     assert hook.model_shape().vocab == 512
     assert run_shape(None, 4096) is None and run_shape(hook.model_shape(), None) is None
     assert Installed(PipelineOptions()).model_shape() is None
+
+
+def test_the_hook_splits_layers_as_megatron_does_under_uneven_end_stages() -> None:
+    """Megatron-LM's --decoder-first/last-pipeline-num-layers: the hook's run costs take the
+    layers of each stage as megatron-core builds them (the planner predicts that run with the
+    same split), and a split megatron-core refuses leaves the even one."""
+    args = argparse.Namespace(
+        num_layers=10,
+        hidden_size=4096,
+        num_attention_heads=32,
+        ffn_hidden_size=14336,
+        swiglu=True,
+        padded_vocab_size=128256,
+        pipeline_model_parallel_size=4,
+        decoder_first_pipeline_num_layers=1,
+        decoder_last_pipeline_num_layers=3,
+    )
+    hook = Installed(PipelineOptions(vocab_parallel="vocab-1"), args=args)
+    assert hook.stage_layers() == (1, 3, 3, 3)
+    run = run_shape(hook.model_shape(), 4096, hook.stage_layers())
+    assert run is not None and run.layers_per_stage == (1, 3, 3, 3)
+    assert hook.schedule(4, 8, run).ranks == resolved("1f1b", 4, 8, "vocab-1", run).ranks
+    refused = argparse.Namespace(**{**vars(args), "decoder_first_pipeline_num_layers": 2})  # 5 over 2
+    assert Installed(PipelineOptions(), args=refused).stage_layers() is None

@@ -28,6 +28,7 @@ from typing import Any
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule
 from ..schedule.lowering import lower
+from ..schedule.memory_model import end_stage_layers
 from ..schedule.models import ModelShape, megatron_shape
 from ..schedule.offload import OffloadError, OffloadPolicy, add_offload_args, apply_offload, parse_chunks
 from ..schedule.partition import PartitionError, slice_lengths
@@ -154,6 +155,9 @@ class PipelineOptions:
         vocabulary variant); too few layers or a sequence that cannot be cut raise
         :class:`OptionError`."""
         self.slice_lengths(schedule, run.seq_length, run.shape, flags)
+        if run.layers_per_stage is not None and len(run.layers_per_stage) != schedule.num_stages:
+            # a split of the pipeline stages; with several chunks per rank the order takes an even one
+            run = dataclasses.replace(run, layers_per_stage=None)
         try:
             return run_costs(run, schedule, self.vocab_parallel)
         except ValueError as error:  # fewer layers than virtual stages
@@ -230,12 +234,15 @@ class PipelineOptions:
             raise OptionError(message, flags.get(error.flag, error.flag)) from None
 
 
-def run_shape(shape: ModelShape | None, seq_length: int | None) -> RunShape | None:
-    """The run's FLOP costs depend on the model's ``shape`` and the sequence length, which every
-    rank knows alike (None without a shape or a sequence length: unit costs then)."""
+def run_shape(
+    shape: ModelShape | None, seq_length: int | None, layers: tuple[int, ...] | None = None
+) -> RunShape | None:
+    """The run's FLOP costs depend on the model's ``shape``, the sequence length and the layers of
+    each stage (``layers``, where the run does not split them evenly), which every rank knows
+    alike (None without a shape or a sequence length: unit costs then)."""
     if shape is None or not seq_length:
         return None
-    return RunShape(shape, int(seq_length))
+    return RunShape(shape, int(seq_length), layers)
 
 
 def chunks_per_rank(pp_chunks: int | None, virtual_stages: int | None) -> int | None:
@@ -411,7 +418,7 @@ class Installed:
 
         models = kwargs["model"] if isinstance(kwargs["model"], (list, tuple)) else [kwargs["model"]]
         runtime = self._runtime(models)
-        run = run_shape(self.model_shape(), kwargs.get("seq_length"))
+        run = run_shape(self.model_shape(), kwargs.get("seq_length"), self.stage_layers())
         schedule = self.schedule(runtime.comm.size, kwargs["num_microbatches"], run)
         if self.options.offload == "auto":
             schedule = self.auto_offload(schedule, runtime, kwargs["seq_length"])
@@ -455,6 +462,20 @@ class Installed:
         if self.model is None and getattr(args, "num_layers", None) and getattr(args, "hidden_size", None):
             self.model = megatron_shape(args, getattr(args, "padded_vocab_size", None) or 1)
         return self.model
+
+    def stage_layers(self) -> tuple[int, ...] | None:
+        """Layers per pipeline stage under Megatron-LM's ``--decoder-first/last-pipeline-num-layers``,
+        split as megatron-core splits them; None when neither is given (an even split)."""
+        args = self.args
+        first = getattr(args, "decoder_first_pipeline_num_layers", None)
+        last = getattr(args, "decoder_last_pipeline_num_layers", None)
+        pp = getattr(args, "pipeline_model_parallel_size", None)
+        if (first is None and last is None) or not getattr(args, "num_layers", None) or not pp:
+            return None
+        try:
+            return tuple(end_stage_layers(args.num_layers, pp, first, last))
+        except ValueError:  # megatron-core refuses the split itself, naming its flags
+            return None
 
     def schedule(self, pp: int, num_microbatches: int, run: RunShape | None = None) -> Schedule:
         """The schedule of a step (``run``: resolved with the run's costs, as steps run it)."""

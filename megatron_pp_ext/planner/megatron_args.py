@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..schedule.memory_model import end_stage_layers
 from ..schedule.models import ModelShape
 from .pins import PinError, Pins
 
@@ -265,15 +266,10 @@ def _uneven_stages(args: argparse.Namespace, layers: int, pp: int, vpp: int) -> 
     ends = [count for count in (first, last) if count is not None]
     if min(ends) < 0:
         raise ArgsError(flag, f"{flag} must be at least 0, got {min(ends)}")
-    middle, rest = pp - len(ends), layers - sum(ends)
-    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
-        raise ArgsError(
-            flag,
-            f"{layers} layers less {' and '.join(map(str, ends))} on the end stage(s) leave {rest}, "
-            f"which the {middle} other pipeline stage(s) cannot share evenly (megatron-core refuses it)",
-        )
-    split = [rest // middle] * middle if middle else []
-    return tuple(([first] if first is not None else []) + split + ([last] if last is not None else []))
+    try:
+        return tuple(end_stage_layers(layers, pp, first, last))
+    except ValueError as error:
+        raise ArgsError(flag, str(error)) from None
 
 
 def read_sbatch(path: str) -> Run:
