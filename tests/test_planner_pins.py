@@ -243,31 +243,60 @@ UNEVEN = (
 
 
 @pytest.mark.parametrize(
-    "flags, layers",
+    "flags, layers, vpp",
     [
-        ("--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 6", [6, 9, 9, 6]),
-        ("--decoder-first-pipeline-num-layers 6", [6, 8, 8, 8]),
-        ("--decoder-last-pipeline-num-layers 3", [9, 9, 9, 3]),
+        ("--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 6", [6, 9, 9, 6], 1),
+        ("--decoder-first-pipeline-num-layers 6", [6, 8, 8, 8], 1),
+        ("--decoder-last-pipeline-num-layers 3", [9, 9, 9, 3], 1),
+        # with chunks: each rank's count over its chunks (stage = chunk x 4 + rank)
+        (
+            "--decoder-last-pipeline-num-layers 6 --num-virtual-stages-per-pipeline-rank 2",
+            [4, 4, 4, 3] * 2,
+            2,
+        ),
+        ("--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split", [7, 8, 8, 7], 1),
+        (
+            "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+            "--num-layers-per-virtual-pipeline-stage 2",
+            [1] + [2] * 14 + [1],
+            4,
+        ),
+        ("--pipeline-model-parallel-layout 'E|t*10|t*10|t*10,L'", [0, 10, 10, 10], 1),
+        ("--pipeline-model-parallel-layout 'Et*3|(t*4|)*6,t*3L'", [3] + [4] * 6 + [3], 2),
     ],
 )
-def test_from_args_predicts_megatron_s_uneven_first_and_last_stages(
-    capsys: pytest.CaptureFixture, flags: str, layers: list[int]
+def test_from_args_predicts_megatron_s_layer_split_flags(
+    capsys: pytest.CaptureFixture, flags: str, layers: list[int], vpp: int
 ) -> None:
-    """megatron-core's split: the given layers on the end stages, the rest evenly over the others."""
+    """megatron-core's split under each of its flags (``schedule/layer_split.py``, checked against
+    megatron-core in test_layer_split.py) is the split the prediction runs."""
     code, out, err = run_cli(
         capsys, ["plan", "--from-args", f"{UNEVEN} {flags}", "--json", "--max-simulations", "1"]
     )
     assert code == 0, err
     run = json.loads(out)["run"]
     assert run["stage_layers"] == layers and sum(layers) == 30
+    assert run["vpp"] == vpp and run["schedule"] == ("1f1b" if vpp == 1 else "interleaved-1f1b")
 
 
 def test_from_args_refuses_uneven_stages_megatron_core_refuses(capsys: pytest.CaptureFixture) -> None:
     for flags, flag in (
         ("--decoder-first-pipeline-num-layers 7", "--decoder-first-pipeline-num-layers"),
         (
-            "--decoder-last-pipeline-num-layers 6 --num-virtual-stages-per-pipeline-rank 2",
+            "--decoder-last-pipeline-num-layers 3 --num-virtual-stages-per-pipeline-rank 2",
             "--decoder-last-pipeline-num-layers",
+        ),
+        (
+            "--decoder-last-pipeline-num-layers 6 --num-layers-per-virtual-pipeline-stage 2",
+            "--num-layers-per-virtual-pipeline-stage",
+        ),
+        ("--account-for-embedding-in-pipeline-split", "--account-for-embedding-in-pipeline-split"),
+        ("--pipeline-model-parallel-layout 'Et*14|t*16L'", "--pipeline-model-parallel-layout"),
+        ("--pipeline-model-parallel-layout 'Et*7|t*8|t*8|t*7L|'", "--pipeline-model-parallel-layout"),
+        ("--pipeline-model-parallel-layout 'Et*7|t*8|t*8|t*6mL'", "--pipeline-model-parallel-layout"),
+        (
+            "--pipeline-model-parallel-layout 'Et*7|t*8|t*8|t*7L' --num-virtual-stages-per-pipeline-rank 2",
+            "--pipeline-model-parallel-layout",
         ),
     ):
         code, _, err = run_cli(capsys, ["plan", "--from-args", f"{UNEVEN} {flags}"])

@@ -184,3 +184,37 @@ def test_the_hook_splits_layers_as_megatron_does_under_uneven_end_stages() -> No
     assert hook.schedule(4, 8, run).ranks == resolved("1f1b", 4, 8, "vocab-1", run).ranks
     refused = argparse.Namespace(**{**vars(args), "decoder_first_pipeline_num_layers": 2})  # 5 over 2
     assert Installed(PipelineOptions(), args=refused).stage_layers() is None
+
+
+@pytest.mark.parametrize(
+    ("split", "chunks", "layers"),
+    [
+        ({"pipeline_model_parallel_layout": "Et|tt|tt|tL"}, 2, (1, 2, 2, 1)),
+        ({"decoder_last_pipeline_num_layers": 2}, 2, (2, 1, 2, 1)),
+        (
+            {"account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True},
+            1,
+            (3, 3),
+        ),
+    ],
+)
+def test_the_hook_takes_megatron_s_split_with_chunks_and_layouts(
+    split: dict[str, object], chunks: int, layers: tuple[int, ...]
+) -> None:
+    """With several chunks per rank, a custom layout, or the embedding and loss counted as layers,
+    the hook's run costs take megatron-core's split of every virtual stage (stage = chunk x p + rank)."""
+    args = argparse.Namespace(
+        num_layers=6,
+        hidden_size=4096,
+        num_attention_heads=32,
+        padded_vocab_size=128256,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
+        **split,
+    )
+    name = "interleaved-1f1b" if chunks > 1 else "1f1b"
+    hook = Installed(PipelineOptions(schedule=name, chunks=chunks, vocab_parallel="vocab-1"), args=args)
+    assert hook.stage_layers() == layers
+    run = run_shape(hook.model_shape(), 4096, hook.stage_layers())
+    kwargs = {"vpp": chunks} if chunks > 1 else {}
+    assert hook.schedule(2, 6, run).ranks == resolved(name, 2, 6, "vocab-1", run, **kwargs).ranks

@@ -27,8 +27,8 @@ from typing import Any
 
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule
+from ..schedule.layer_split import LayerSplitFlags, SplitError, megatron_stage_layers
 from ..schedule.lowering import lower
-from ..schedule.memory_model import end_stage_layers
 from ..schedule.models import ModelShape, megatron_shape
 from ..schedule.offload import OffloadError, OffloadPolicy, add_offload_args, apply_offload, parse_chunks
 from ..schedule.partition import PartitionError, slice_lengths
@@ -156,8 +156,12 @@ class PipelineOptions:
         :class:`OptionError`."""
         self.slice_lengths(schedule, run.seq_length, run.shape, flags)
         if run.layers_per_stage is not None and len(run.layers_per_stage) != schedule.num_stages:
-            # a split of the pipeline stages; with several chunks per rank the order takes an even one
-            run = dataclasses.replace(run, layers_per_stage=None)
+            raise OptionError(
+                f"the run's layer split has {len(run.layers_per_stage)} virtual stages, {schedule.name} on "
+                f"{schedule.pp} pipeline ranks runs {schedule.num_stages}: set "
+                "--num-virtual-stages-per-pipeline-rank to the schedule's chunks per rank",
+                "--num-virtual-stages-per-pipeline-rank",
+            )
         try:
             return run_costs(run, schedule, self.vocab_parallel)
         except ValueError as error:  # fewer layers than virtual stages
@@ -464,17 +468,19 @@ class Installed:
         return self.model
 
     def stage_layers(self) -> tuple[int, ...] | None:
-        """Layers per pipeline stage under Megatron-LM's ``--decoder-first/last-pipeline-num-layers``,
-        split as megatron-core splits them; None when neither is given (an even split)."""
+        """Layers of each virtual stage as megatron-core builds them under Megatron-LM's split
+        flags (``--decoder-first/last-pipeline-num-layers``, ``--account-for-embedding/loss-in-
+        pipeline-split``, ``--pipeline-model-parallel-layout``); None when the run has none (an
+        even split) or megatron-core refuses the split (it names the flag itself)."""
         args = self.args
-        first = getattr(args, "decoder_first_pipeline_num_layers", None)
-        last = getattr(args, "decoder_last_pipeline_num_layers", None)
+        flags = LayerSplitFlags.from_args(args)
         pp = getattr(args, "pipeline_model_parallel_size", None)
-        if (first is None and last is None) or not getattr(args, "num_layers", None) or not pp:
+        if flags.even or not getattr(args, "num_layers", None) or not pp:
             return None
+        chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
         try:
-            return tuple(end_stage_layers(args.num_layers, pp, first, last))
-        except ValueError:  # megatron-core refuses the split itself, naming its flags
+            return tuple(megatron_stage_layers(args.num_layers, pp, chunks, flags))
+        except SplitError:
             return None
 
     def schedule(self, pp: int, num_microbatches: int, run: RunShape | None = None) -> Schedule:

@@ -192,7 +192,7 @@ def check_args(args: Any) -> None:
     if last_rank != pp - 1 and getattr(args, "pipeline_model_parallel_layout", None):
         raise OptionError(
             f"{schedule.name} places the last stage on rank {last_rank}; a custom layout assumes "
-            "Megatron's round-robin placement: use --num-layers-in-first/last-pipeline-stage instead",
+            "Megatron's round-robin placement: use --decoder-first/last-pipeline-num-layers instead",
             "--pipeline-model-parallel-layout",
         )
     if last_rank != pp - 1 and not args.untie_embeddings_and_output_weights:

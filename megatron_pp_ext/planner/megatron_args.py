@@ -3,7 +3,7 @@
 layout choice, each pinned to what the line says or to Megatron's default where it says nothing.
 
 Only what the planner models is read; other flags are ignored. What changes the prediction but is
-not modelled (MoE, FP8, a custom layout) is refused or noted, never silently dropped.
+not modelled (MoE, MTP layers, FP8) is refused or noted, never silently dropped.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..schedule.memory_model import end_stage_layers
+from ..schedule.layer_split import (
+    LAYOUT_FLAG,
+    LayerSplitFlags,
+    SplitError,
+    layout_chunks,
+    megatron_stage_layers,
+)
 from ..schedule.models import ModelShape
 from .pins import PinError, Pins
 
@@ -69,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         "--group-query-attention", "--swiglu", "--bf16", "--fp16", "--sequence-parallel",
         "--use-distributed-optimizer", "--tp-comm-overlap", "--overlap-grad-reduce",
         "--overlap-param-gather", "--accumulate-allreduce-grads-in-fp32",
+        "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
     ):  # fmt: skip
         add(flag, action="store_true")
     add("--rampup-batch-size", nargs=3)
@@ -128,12 +135,6 @@ def read_args(text: str) -> Run:
             raise ArgsError(
                 flag, f"{flag} {value}: mixture-of-experts models are not modelled by the planner"
             )
-    if args.pipeline_model_parallel_layout is not None:
-        raise ArgsError(
-            "--pipeline-model-parallel-layout",
-            "--pipeline-model-parallel-layout: a custom layout is not modelled by the planner; "
-            "--decoder-first/last-pipeline-num-layers are",
-        )
     if args.fp8_format:
         notes.append(
             f"--fp8-format {args.fp8_format} is not modelled: predicted in BF16 (FP8 GEMMs would be faster)"
@@ -202,23 +203,14 @@ def _shape(args: argparse.Namespace) -> ModelShape:
 def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
     """Every layout choice of the line, Megatron's defaults where it is silent."""
     pp = args.pipeline_model_parallel_size or 1
-    vpp = args.num_virtual_stages_per_pipeline_rank or args.pp_chunks
-    if args.num_layers_per_virtual_pipeline_stage:
-        per_rank = shape.layers // pp
-        if per_rank % args.num_layers_per_virtual_pipeline_stage:
-            raise ArgsError(
-                "--num-layers-per-virtual-pipeline-stage",
-                f"{args.num_layers_per_virtual_pipeline_stage} does not divide the {per_rank} layers "
-                "of a pipeline rank",
-            )
-        vpp = per_rank // args.num_layers_per_virtual_pipeline_stage
+    vpp = _chunks(args, shape.layers, pp)
     vpp = vpp or 1
     schedule = args.pp_schedule or ("interleaved-1f1b" if vpp > 1 else "1f1b")
     recompute = args.recompute_granularity or "none"
     recompute_layers = None
     if recompute == "full" and args.recompute_method == "block":
         recompute_layers = args.recompute_num_layers or 1
-    layers = _uneven_stages(args, shape.layers, pp, vpp)
+    layers = _split(args, shape.layers, pp, vpp)
     try:
         return Pins(
             stage_layers=layers,
@@ -251,25 +243,56 @@ def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
         raise ArgsError(error.flag, str(error)) from None
 
 
-def _uneven_stages(args: argparse.Namespace, layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
-    """Layers per pipeline stage under ``--decoder-first/last-pipeline-num-layers``, as
-    megatron-core splits them: the given counts on the first and last stage, the rest evenly over
-    the others (it refuses a rest they cannot share); None when neither flag is given."""
-    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    if first is None and last is None:
+def _chunks(args: argparse.Namespace, layers: int, pp: int) -> int | None:
+    """Model chunks per rank, from whichever of Megatron's three ways the line uses (it takes one)."""
+    given = [
+        flag
+        for flag, value in (
+            ("--num-layers-per-virtual-pipeline-stage", args.num_layers_per_virtual_pipeline_stage),
+            ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank),
+            (LAYOUT_FLAG, args.pipeline_model_parallel_layout),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ArgsError(
+            given[1], f"{given[1]} cannot be combined with {given[0]} (Megatron-LM takes one of them)"
+        )
+    if args.pipeline_model_parallel_layout is not None:
+        try:
+            return layout_chunks(args.pipeline_model_parallel_layout, pp)
+        except SplitError as error:
+            raise ArgsError(error.flag, str(error)) from None
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    if not per_stage:
+        return args.num_virtual_stages_per_pipeline_rank or args.pp_chunks
+    flags = LayerSplitFlags.from_args(args)
+    if flags.first is not None or flags.last is not None:
+        raise ArgsError(
+            "--num-layers-per-virtual-pipeline-stage",
+            "with --decoder-first/last-pipeline-num-layers give the chunks as "
+            "--num-virtual-stages-per-pipeline-rank (Megatron-LM refuses this one)",
+        )
+    per_rank = (layers + flags.embedding_in_split + flags.loss_in_split) // pp
+    if per_rank % per_stage:
+        raise ArgsError(
+            "--num-layers-per-virtual-pipeline-stage",
+            f"{per_stage} does not divide the {per_rank} layers of a pipeline rank",
+        )
+    return per_rank // per_stage
+
+
+def _split(args: argparse.Namespace, layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
+    """Layers of each virtual stage as megatron-core builds them under the line's split flags
+    (``--decoder-first/last-pipeline-num-layers``, ``--account-for-embedding/loss-in-pipeline-split``,
+    ``--pipeline-model-parallel-layout``); None when it has none (an even split)."""
+    flags = LayerSplitFlags.from_args(args)
+    if flags.even:
         return None
-    flag = f"--decoder-{'first' if first is not None else 'last'}-pipeline-num-layers"
-    if vpp > 1:
-        raise ArgsError(flag, f"{flag} with virtual stages is not modelled by the planner (VP 1 only)")
-    if pp < 2:
-        raise ArgsError(flag, f"{flag} needs --pipeline-model-parallel-size of at least 2")
-    ends = [count for count in (first, last) if count is not None]
-    if min(ends) < 0:
-        raise ArgsError(flag, f"{flag} must be at least 0, got {min(ends)}")
     try:
-        return tuple(end_stage_layers(layers, pp, first, last))
-    except ValueError as error:
-        raise ArgsError(flag, str(error)) from None
+        return tuple(megatron_stage_layers(layers, pp, vpp, flags))
+    except SplitError as error:
+        raise ArgsError(error.flag, str(error)) from None
 
 
 def read_sbatch(path: str) -> Run:

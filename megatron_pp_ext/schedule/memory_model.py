@@ -144,22 +144,6 @@ def stage_layers(num_layers: int, num_stages: int) -> list[int]:
     return counts
 
 
-def end_stage_layers(layers: int, pp: int, first: int | None, last: int | None) -> list[int]:
-    """Layers per pipeline stage as megatron-core splits them under Megatron's
-    ``--decoder-first/last-pipeline-num-layers``: the given counts on the first and last stage,
-    the rest evenly over the others. ValueError when the rest cannot be shared evenly (megatron-core
-    refuses it)."""
-    ends = [count for count in (first, last) if count is not None]
-    middle, rest = pp - len(ends), layers - sum(ends)
-    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
-        raise ValueError(
-            f"{layers} layers less {' and '.join(map(str, ends))} on the end stage(s) leave {rest}, "
-            f"which the {middle} other pipeline stage(s) cannot share evenly (megatron-core refuses it)"
-        )
-    split = [rest // middle] * middle if middle else []
-    return ([first] if first is not None else []) + split + ([last] if last is not None else [])
-
-
 def padded_vocab(vocab: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
     """Megatron-LM pads the vocabulary to a multiple of ``divisible_by`` x t so every TP rank
     gets an equal vocab-parallel shard."""
