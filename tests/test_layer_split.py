@@ -12,11 +12,14 @@ import pytest
 from megatron_pp_ext.schedule.layer_split import (
     EMBEDDING_FLAG,
     FIRST_FLAG,
+    LAST_FLAG,
     LAYOUT_FLAG,
     LayerSplitFlags,
     SplitError,
     megatron_stage_layers,
     parse_layout,
+    split_flags,
+    uneven_splits,
 )
 
 torch = pytest.importorskip("torch")
@@ -148,3 +151,30 @@ def test_refusals_name_the_flag_to_change() -> None:
         megatron_stage_layers(10, 4, 1, LayerSplitFlags(first=1, layout="Et*5|t*5L"))
     assert caught.value.flag == LAYOUT_FLAG
     assert LayerSplitFlags().even and not LayerSplitFlags(loss_in_split=True).even
+
+
+@pytest.mark.parametrize(
+    "layers, pp, vpp, first_split",
+    [
+        (126, 16, 1, [7] + [8] * 14 + [7]),  # Llama 3 405B: the embedding and the loss counted as layers
+        (61, 4, 1, [14, 16, 16, 15]),  # no account-for split divides: chosen end counts
+        (30, 4, 2, [3, 4, 4, 4, 4, 4, 4, 3]),
+        (80, 16, 1, None),  # divides evenly: nothing to choose
+        (10, 16, 1, None),  # fewer layers than stages
+    ],
+)
+def test_uneven_splits_are_megatron_s_and_balanced(
+    layers: int, pp: int, vpp: int, first_split: list[int] | None
+) -> None:
+    """What the planner's free search may choose where an even split cannot: splits megatron-core
+    itself builds, every virtual stage with a layer, the least loaded busiest rank first."""
+    options = uneven_splits(layers, pp, vpp)
+    if first_split is None:
+        assert options == []
+        return
+    assert megatron_stage_layers(layers, pp, vpp, options[0]) == first_split
+    for flags in options:
+        split = megatron_split(layers, pp, vpp, flags)
+        assert split == megatron_stage_layers(layers, pp, vpp, flags) and min(split) >= 1
+    assert len({tuple(megatron_stage_layers(layers, pp, vpp, f)) for f in options}) == len(options)
+    assert split_flags(LayerSplitFlags(first=3, last=4)) == [FIRST_FLAG, "3", LAST_FLAG, "4"]

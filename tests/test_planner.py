@@ -118,7 +118,8 @@ def test_a_model_that_fits_nowhere_gets_one_line_and_exit_2(capsys: pytest.Captu
 
 
 def test_a_gpu_count_that_factors_into_nothing_valid_exits_2(capsys: pytest.CaptureFixture) -> None:
-    code, _, err = run_cli(capsys, "--model", "llama2-7b", "--seq-length", "4096", "--gpus", "7")
+    # 37 is prime: TP 37 does not divide the heads, PP 37 has more stages than the 32 layers
+    code, _, err = run_cli(capsys, "--model", "llama2-7b", "--seq-length", "4096", "--gpus", "37")
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "indivisible" in err
 

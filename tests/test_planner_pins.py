@@ -303,6 +303,32 @@ def test_from_args_refuses_uneven_stages_megatron_core_refuses(capsys: pytest.Ca
         assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_the_search_splits_layers_unevenly_as_megatron_can_and_emits_the_flags(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """32 layers on 7 GPUs: no even split, but Megatron's --decoder-first/last-pipeline-num-layers
+    make PP7 possible; the search predicts it with that split, --emit flags writes the flags, and
+    they read back through --from-args to the same prediction."""
+    base = ["--model", "llama2-7b", "--gpus", "7", "--seq-length", "4096", "--schedules", "1f1b"]
+    code, top, err = run_cli(capsys, ["plan", *base, "--json", "--top", "1"])
+    assert code == 0, err
+    best = json.loads(top)[0]
+    assert best["pp"] == 7 and best["stage_layers"] == [3, 5, 5, 5, 5, 5, 4]
+    code, flags, _ = run_cli(capsys, ["plan", *base, "--emit", "flags"])
+    assert "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 4" in flags
+    code, out, err = run_cli(
+        capsys, ["plan", "--from-args", flags.strip() + " --vocab-size 32000", "--gpus", "7", "--json"]
+    )
+    assert code == 0, err
+    run = json.loads(out)["run"]
+    assert run["stage_layers"] == best["stage_layers"]
+    assert run["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-6)
+    # the same line without the split: Megatron refuses 32 layers over 7 ranks; the error says how
+    even = re.sub(r" --decoder-(first|last)-pipeline-num-layers \d+", "", flags.strip())
+    code, _, err = run_cli(capsys, ["plan", "--from-args", even + " --vocab-size 32000", "--gpus", "7"])
+    assert code == 2 and "--decoder-first-pipeline-num-layers 3" in err and len(err.strip().splitlines()) == 1
+
+
 def test_from_args_reads_its_own_flags_the_way_plan_emits_them(capsys: pytest.CaptureFixture) -> None:
     """Round trip: plan's --emit flags, given back through --from-args, predict the same plan
     (read back the way Megatron reads them: every pin from the line)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from ..schedule.layer_split import split_flags
 from .model import ModelSpec
 from .search import splits_backward
 from .step import PlanResult
@@ -30,6 +31,8 @@ def parallel_flags(plan: PlanResult) -> list[str]:
     ]  # fmt: skip
     if layout.tp > 1:
         flags.append("--sequence-parallel")
+    if c.split is not None:
+        flags += split_flags(c.split)  # the uneven split the plan was predicted with
     if c.vpp > 1:
         flags += ["--num-virtual-stages-per-pipeline-rank", str(c.vpp)]
         if layout.pp > 2:
@@ -85,6 +88,7 @@ def sbatch(spec: ModelSpec, plan: PlanResult, command: str) -> str:
     name = f"{spec.name}-{c.schedule}-{problem.seq_length // 1024}k"
     gather = int(layout.parallel.distributed_optimizer and c.overlap_param_gather)
     extra = spec.override_args() + (RECOMPUTE_FLAGS if c.recompute == "full" else [])
+    extra += split_flags(c.split) if c.split is not None else []
     lines = [
         "#!/bin/bash",
         f"# {spec.name} at {problem.seq_length} tokens on {problem.gpus} {problem.profile.name} GPUs,",

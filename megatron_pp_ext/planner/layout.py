@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..schedule.layer_split import uneven_splits
 from ..schedule.memory_model import Parallelism, tp_indivisible
 from ..schedule.models import ModelShape
 
@@ -89,8 +90,11 @@ def layout_problem(
     multiple = layout.parallel.sequence_multiple
     if seq_length % multiple:
         return "indivisible: sequence", f"{seq_length} tokens are not a multiple of {multiple} (TP x 2CP)"
-    if shape.layers % p:
-        return "indivisible: layers", f"PP{p} does not divide {shape.layers} layers"
+    if shape.layers % p and not uneven_splits(shape.layers, p):
+        return (
+            "indivisible: layers",
+            f"PP{p} does not divide {shape.layers} layers, nor does a Megatron split",
+        )
     if global_batch % (d * micro_batch):
         return (
             "indivisible: batch",

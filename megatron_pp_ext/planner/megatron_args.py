@@ -23,6 +23,8 @@ from ..schedule.layer_split import (
     SplitError,
     layout_chunks,
     megatron_stage_layers,
+    split_flags,
+    uneven_splits,
 )
 from ..schedule.models import ModelShape
 from .pins import PinError, Pins
@@ -287,12 +289,13 @@ def _split(args: argparse.Namespace, layers: int, pp: int, vpp: int) -> tuple[in
     (``--decoder-first/last-pipeline-num-layers``, ``--account-for-embedding/loss-in-pipeline-split``,
     ``--pipeline-model-parallel-layout``); None when it has none (an even split)."""
     flags = LayerSplitFlags.from_args(args)
-    if flags.even:
-        return None
     try:
-        return tuple(megatron_stage_layers(layers, pp, vpp, flags))
+        split = tuple(megatron_stage_layers(layers, pp, vpp, flags))
     except SplitError as error:
-        raise ArgsError(error.flag, str(error)) from None
+        options = uneven_splits(layers, pp, vpp) if flags.even else []
+        hint = f"; Megatron splits them unevenly with {' '.join(split_flags(options[0]))}" if options else ""
+        raise ArgsError(error.flag, f"{error}{hint}") from None
+    return None if flags.even else split
 
 
 def read_sbatch(path: str) -> Run:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from ..schedule.generators import SCHEDULES
+from ..schedule.layer_split import uneven_splits
 from ..schedule.memory_model import tp_indivisible
 from ..schedule.models import ModelShape
 from .layout import Layout, layouts
@@ -141,7 +142,12 @@ class Pins:
             sizes = " x ".join(f"{self.flag(n)} {v}" for n, v in fixed)
             sizes += f" = {product}" if len(fixed) > 1 else ""
             raise PinError(self.flag(fixed[-1][0]), f"{sizes} does not divide --gpus {gpus}")
-        if self.pp is not None and shape.layers % self.pp and self.even_layers:
+        if (
+            self.pp is not None
+            and shape.layers % self.pp
+            and self.even_layers
+            and not uneven_splits(shape.layers, self.pp)
+        ):
             raise PinError(
                 self.flag("pp"), f"{self.flag('pp')} {self.pp} does not divide the {shape.layers} layers"
             )
@@ -168,6 +174,7 @@ class Pins:
             and self.vpp is not None
             and shape.layers % (self.pp * self.vpp)
             and self.even_layers
+            and not uneven_splits(shape.layers, self.pp, self.vpp)
         ):
             raise PinError(
                 self.flag("vpp"),

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from ..schedule.layer_split import split_flags
 from .emit import parallel_flags
 from .predict import Prediction
 from .search import SearchResult
-from .step import PlanResult
+from .step import PlanResult, layer_runs
 
 
 def plan_row(rank: int, plan: PlanResult) -> dict[str, str]:
@@ -52,8 +53,19 @@ def summary(result: SearchResult, title: str) -> str:
         f"{step_parts(best)}"
     )
     lines.extend(f"  note: {note}" for note in best.notes)
+    lines.extend(uneven_splits_of(result.plans))
     lines.append(rejections(result))
     return "\n".join(lines)
+
+
+def uneven_splits_of(plans: list[PlanResult]) -> list[str]:
+    """One line per plan of the table whose layers Megatron splits unevenly: the split and its flags."""
+    lines = []
+    for rank, plan in enumerate(plans, 1):
+        c = plan.candidate
+        if c.split is not None and c.layers is not None:
+            lines.append(f"  plan {rank}: layers {layer_runs(c.layers)} ({' '.join(split_flags(c.split))})")
+    return lines
 
 
 def rejections(result: SearchResult) -> str:

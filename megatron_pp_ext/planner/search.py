@@ -3,7 +3,8 @@
 1. Layouts: every TP x CP x PP x DP factorisation of the GPU count that Megatron accepts for the
    model, sequence and batch (``layout.layout_problem``), and whose weights, gradients and
    optimizer state fit at all.
-2. Pipeline choices per layout: each schedule with its chunk counts (even layer splits), slice
+2. Pipeline choices per layout: each schedule with its chunk counts (even layer splits, or where
+   the layers do not divide, Megatron's uneven ones: ``layer_split.uneven_splits``), slice
    counts for the sequence-sliced families (slices of at least ``MIN_SLICE`` tokens), micro-batch
    sizes (powers of two dividing a DP rank's share of the batch, unless pinned: grown from 1 until
    the memory bound no longer fits), and, only where the plain choice cannot fit, activation
@@ -30,6 +31,7 @@ from types import SimpleNamespace
 
 from ..schedule.generators import SCHEDULES, generate
 from ..schedule.ir import Placement
+from ..schedule.layer_split import LayerSplitFlags, megatron_stage_layers, uneven_splits
 from ..schedule.memory_model import stage_layers
 from ..schedule.partition import PartitionError
 from .costs import PlanCosts
@@ -84,7 +86,22 @@ def chunk_options(name: str, layers: int, pp: int) -> list[int]:
     spec = SCHEDULES[name]
     if spec.allowed_vpp is not None:
         return [v for v in spec.allowed_vpp if layers % (pp * v) == 0]
+    if layers % pp:
+        return []
     return [v for v in divisors(layers // pp) if v >= max(2, spec.min_vpp)]
+
+
+def chunk_splits(name: str, layers: int, pp: int) -> list[tuple[int, LayerSplitFlags | None]]:
+    """(chunks per rank, Megatron's split flags) ``name`` can take over ``pp`` ranks: the even
+    splits, and for chunk counts the layers do not divide, Megatron's uneven splits
+    (``uneven_splits``: every virtual stage keeps a layer)."""
+    options: list[tuple[int, LayerSplitFlags | None]] = [(v, None) for v in chunk_options(name, layers, pp)]
+    spec = SCHEDULES[name]
+    if spec.allowed_vpp is not None:
+        uneven = [v for v in spec.allowed_vpp if layers % (pp * v)]
+    else:
+        uneven = [v for v in range(max(2, spec.min_vpp), layers // pp + 1) if layers % (pp * v)]
+    return options + [(v, split) for v in uneven for split in uneven_splits(layers, pp, v)]
 
 
 def slice_options(name: str, seq_length: int, multiple: int, pp: int, vpp: int) -> list[int]:
@@ -104,9 +121,9 @@ def slice_options(name: str, seq_length: int, multiple: int, pp: int, vpp: int) 
 
 def pipeline_choices(
     problem: Problem, layout: Layout, names: list[str], pins: Pins | None = None
-) -> list[tuple[str, int, int]]:
-    """(schedule, chunks per rank, slices) for ``layout``, within ``pins``; one pipeline rank runs
-    1F1B only."""
+) -> list[tuple[str, int, int, LayerSplitFlags | None]]:
+    """(schedule, chunks per rank, slices, Megatron's split flags or None for an even split) for
+    ``layout``, within ``pins``; one pipeline rank runs 1F1B only."""
     pins = pins or Pins()
     layers = problem.shape.layers
     multiple = math.lcm(8, layout.parallel.sequence_multiple)
@@ -114,12 +131,12 @@ def pipeline_choices(
     for name in pins.schedules(names):
         if layout.pp == 1 and name not in ("1f1b", "slimpipe"):
             continue
-        for vpp in chunk_options(name, layers, layout.pp) if layout.pp > 1 else [1]:
+        for vpp, split in chunk_splits(name, layers, layout.pp) if layout.pp > 1 else [(1, None)]:
             if not pins.chunks_allowed(layers, layout.pp, vpp):
                 continue
             for k in slice_options(name, problem.seq_length, multiple, layout.pp, vpp):
                 if vpp * k <= MAX_UNITS_PER_RANK and pins.slices_allowed(k):
-                    choices.append((name, vpp, k))
+                    choices.append((name, vpp, k, split))
     return choices
 
 
@@ -141,7 +158,9 @@ def _stub(candidate: Candidate) -> SimpleNamespace:
 def bounds(problem: Problem, candidate: Candidate) -> tuple[float, float]:
     """(time lower bound in s, memory lower bound in bytes; 0 when offloading)."""
     stub = _stub(candidate)
-    layers = stage_layers(problem.shape.layers, stub.num_stages)
+    layers = (
+        list(candidate.layers) if candidate.layers else stage_layers(problem.shape.layers, stub.num_stages)
+    )
     costs = PlanCosts(
         problem.shape,
         stub,  # type: ignore[arg-type]
@@ -391,8 +410,14 @@ def search(
         if not choices:
             result.reject("no schedule for the pins", f"{layout.label()}: {', '.join(pins.pinned) or 'none'}")
         sizes = micro_batch_options(problem, layout, pins)
-        for name, vpp, k in choices:
-            state.push_micro_batches(Candidate(layout, name, vpp, k, **options), sizes)
+        for name, vpp, k, split in choices:
+            layers = (
+                None
+                if split is None
+                else tuple(megatron_stage_layers(problem.shape.layers, layout.pp, vpp, split))
+            )
+            candidate = Candidate(layout, name, vpp, k, layers=layers, split=split, **options)
+            state.push_micro_batches(candidate, sizes)
     state.run(max_simulations)
     result.plans = _resimulate(problem, state.best[:top])
     result.seconds = time.perf_counter() - start

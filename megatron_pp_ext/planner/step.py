@@ -23,6 +23,7 @@ from typing import Any
 
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Op, OpKind, Placement, Schedule
+from ..schedule.layer_split import LayerSplitFlags
 from ..schedule.lowering import lower
 from ..schedule.memory_model import padded_vocab, stage_layers, static_memory
 from ..schedule.models import ModelShape
@@ -91,6 +92,9 @@ class Candidate:
     # transformer layers of each virtual stage when the run splits them itself (Zero Bubble's
     # --allow-padding-num-layers: first and last stage one layer short); None: ``stage_layers``
     layers: tuple[int, ...] | None = None
+    # Megatron's flags that give ``layers`` (``--decoder-first/last-pipeline-num-layers``, ...),
+    # where the search chose them; --emit writes them
+    split: LayerSplitFlags | None = None
 
     def label(self) -> str:
         extra = [f"micro-batch {self.micro_batch}"] if self.micro_batch > 1 else []
@@ -102,10 +106,23 @@ class Candidate:
         extra += [self.vocab] if self.vocab != "none" else []
         extra += ["no grad-reduce overlap"] if not self.overlap_grad_reduce else []
         extra += [f"memory limit {self.memory_limit:g} M"] if self.memory_limit is not None else []
-        extra += ["layers " + "/".join(map(str, self.layers))] if self.layers is not None else []
+        extra += [f"layers {layer_runs(self.layers)}"] if self.layers is not None else []
         return f"{self.layout.label()} {self.schedule} v{self.vpp} k{self.slices}" + "".join(
             f", {e}" for e in extra
         )
+
+
+def layer_runs(layers: tuple[int, ...]) -> str:
+    """Layers per virtual stage, three or more repeats folded: ``(1, 2, 2, 2, 1)`` -> ``"1/2*3/1"``."""
+    runs: list[list[int]] = []
+    for count in layers:
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+        else:
+            runs.append([count, 1])
+    return "/".join(
+        f"{count}*{repeat}" if repeat > 2 else "/".join([str(count)] * repeat) for count, repeat in runs
+    )
 
 
 @dataclass

@@ -217,3 +217,66 @@ def _layout_layers(flags: LayerSplitFlags, layers: int, pp: int, vpp: int) -> li
             f"{LAYOUT_FLAG} {text!r} has {sum(split)} decoder layers (t), but --num-layers is {layers}",
         )
     return split
+
+
+def _rank_load(split: list[int], pp: int) -> int:
+    """The busiest rank's layers, the embedding and the loss counted as one layer each (what
+    Megatron's ``--account-for-*`` flags assume)."""
+    per_rank = [sum(split[rank::pp]) for rank in range(pp)]
+    per_rank[0] += 1
+    per_rank[-1] += 1
+    return max(per_rank)
+
+
+def uneven_splits(layers: int, pp: int, vpp: int = 1, min_layers: int = 1) -> list[LayerSplitFlags]:
+    """Megatron's flags that split ``layers`` over ``pp`` ranks of ``vpp`` chunks when an even split
+    cannot (``layers`` not a multiple of ``pp * vpp``): the best of each family (the embedding and
+    loss counted as layers; chosen first/last-rank counts), least loaded busiest rank first, every
+    virtual stage with at least ``min_layers``. Empty when the even split works or none does."""
+    if pp < 2 or layers % (pp * vpp) == 0:
+        return []
+    families: list[list[LayerSplitFlags]] = [
+        [
+            LayerSplitFlags(embedding_in_split=embedding, loss_in_split=loss)
+            for embedding, loss in ((True, True), (False, True), (True, False))
+        ],
+    ]
+    average = layers // pp
+    counts = [None] + [x for x in range(max(vpp, average - 2 * vpp), average + 2 * vpp + 1) if x % vpp == 0]
+    families.append(
+        [
+            LayerSplitFlags(first=first, last=last)
+            for first in counts
+            for last in counts
+            if (first, last) != (None, None)
+        ]
+    )
+    found: list[tuple[int, int, LayerSplitFlags, list[int]]] = []
+    for family in families:
+        best: tuple[int, int, LayerSplitFlags, list[int]] | None = None
+        for order, flags in enumerate(family):
+            try:
+                split = megatron_stage_layers(layers, pp, vpp, flags)
+            except SplitError:
+                continue
+            if min(split) < min_layers:
+                continue
+            if best is None or (_rank_load(split, pp), order) < best[:2]:
+                best = (_rank_load(split, pp), order, flags, split)
+        if best is not None and all(best[3] != other[3] for other in found):  # one per distinct split
+            found.append(best)
+    return [flags for _, _, flags, _ in sorted(found, key=lambda item: item[0])]
+
+
+def split_flags(flags: LayerSplitFlags) -> list[str]:
+    """``flags`` as Megatron-LM command-line arguments."""
+    args: list[str] = []
+    if flags.first is not None:
+        args += [FIRST_FLAG, str(flags.first)]
+    if flags.last is not None:
+        args += [LAST_FLAG, str(flags.last)]
+    args += [EMBEDDING_FLAG] if flags.embedding_in_split else []
+    args += [LOSS_FLAG] if flags.loss_in_split else []
+    if flags.layout is not None:
+        args += [LAYOUT_FLAG, flags.layout]
+    return args
