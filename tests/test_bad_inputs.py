@@ -6,6 +6,7 @@ the same way: Megatron-LM's parser with our checks, exit status 2 and one line).
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,12 @@ CASES: list[tuple[str, str]] = [
     (
         "train --pp-chunks 2 --num-virtual-stages-per-pipeline-rank 3",
         "--num-virtual-stages-per-pipeline-rank",
+    ),
+    ("train --decoder-first-pipeline-num-layers 3", "--decoder-first-pipeline-num-layers"),
+    ("train --pipeline-model-parallel-layout 'Et|t|t|t|t|t|t|tL'", "--pipeline-model-parallel-layout"),
+    (
+        "train --pipeline-model-parallel-layout 'E|tt|tt|t|t||tt|L' --pp-schedule interleaved-1f1b",
+        "--pipeline-model-parallel-layout",
     ),
     ("train --hidden-size 60", "--hidden-size"),
     ("train --max-position-embeddings 64", "--max-position-embeddings"),
@@ -106,7 +113,7 @@ def _scratch(folder: Path) -> None:
 
 
 def _run(args: str, scratch: Path) -> tuple[int, str]:
-    argv = args.replace("<tmp>", str(scratch)).split()
+    argv = shlex.split(args.replace("<tmp>", str(scratch)))  # a layout's "|" stays quoted
     done = subprocess.run(
         [sys.executable, "-m", "megatron_pp_ext", *argv], capture_output=True, text=True, timeout=300
     )
@@ -144,7 +151,8 @@ def test_every_bad_input_is_one_line_naming_its_flag_and_exit_2(tmp_path: Path) 
             problems.append(
                 f"{args}: exit {code}, last line {last!r}{' (traceback)' if 'Traceback' in stderr else ''}"
             )
-        rows.append(f"| `{args}` | {code} | {last.replace(str(tmp_path), '<tmp>').replace('|', '/')} |")
+        shown = args.replace("|", "\\|")  # a layout's stage separator, escaped in the table
+        rows.append(f"| `{shown}` | {code} | {last.replace(str(tmp_path), '<tmp>').replace('|', '/')} |")
     table = "\n".join(
         [
             "# Bad input: what a user gets",

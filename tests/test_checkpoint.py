@@ -1,9 +1,9 @@
 """Checkpoints on real processes (gloo): 6 iterations straight equal 3 + save + resume + 3,
 bitwise, for 1F1B, ZB-H2, V-ZB, SlimPipe with offload and V-Half with vocabulary parallelism; a
-V-ZB checkpoint continues under 1F1B (also vocabulary-parallel), interleaved 1F1B, PP=1 x TP=2
-and PP=1 x DP=2, the vocabulary-parallel one under 1F1B and PP=1 x TP=2 without it; a save
-interrupted halfway leaves the previous checkpoint the one loaded. One launch of two processes
-runs every job in a row; the tests read its results."""
+V-ZB checkpoint continues under 1F1B (also vocabulary-parallel), interleaved 1F1B, PP=1 x TP=2,
+PP=1 x DP=2 and Megatron's layer-split flags, the vocabulary-parallel one under 1F1B and
+PP=1 x TP=2 without it; a save interrupted halfway leaves the previous checkpoint the one loaded.
+One launch of two processes runs every job in a row; the tests read its results."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ CROSS = {
     "1f1b-pp1-tp2": ["--pp", "1", "--tensor-model-parallel-size", "2", "--pp-schedule", "1f1b"],
     "1f1b-pp1-dp2": ["--pp", "1", "--pp-schedule", "1f1b", "--global-batch-size", "4"],
     "1f1b-pp2-vocab-1": ["--pp", "2", "--pp-schedule", "1f1b", "--pp-vocab-parallel", "vocab-1"],
+    # Megatron's layer-split flags: layers 1 + 3, and a layout whose end stages hold none
+    "1f1b-pp2-first-1": ["--pp", "2", "--pp-schedule", "1f1b", "--decoder-first-pipeline-num-layers", "1"],
+    "v-half-pp2-layout": "--pp 2 --pp-schedule v-half --pipeline-model-parallel-layout E|tt|tt|L".split(),
 }
 # Layouts that continue from the vocabulary-parallel (v-half, vocab-2) iteration-3 checkpoint.
 FROM_VOCAB = {

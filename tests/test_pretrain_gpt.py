@@ -231,6 +231,10 @@ BOTH: list[tuple[str, str | None]] = [
     (f"{P4} --pp-offload selective --pp-offload-chunks 3", "--pp-offload-chunks"),
     (f"{P4} --pp-offload full --pp-offload-lookahead -1", "--pp-offload-lookahead"),
     (f"{P2} --pp-schedule slimpipe --pp-seq-slices 4 --pp-emulate-nccl", None),
+    # Megatron's layer-split flags; a layout sets the model chunks per rank
+    (f"{P4} --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1", None),
+    (f"{P2} --pp-schedule interleaved-1f1b --pipeline-model-parallel-layout Ettt|t|tt|ttL", None),
+    (f"{P4} --pp-schedule interleaved-1f1b --pipeline-model-parallel-layout Et|t*2|t|t|t|t|t|L", None),
 ]
 
 

@@ -246,5 +246,8 @@ def test_split_layers_and_names() -> None:
     assert reference_name("output_layer.weight", 5) == "output_layer.weight"
     with pytest.raises(ValueError, match="sums to"):
         split_layers(4, 2, [1, 2])
+    assert split_layers(4, 3, [0, 4, 0]) == [0, 4, 0]  # the embedding, the loss alone (a layout's E|...|L)
+    with pytest.raises(ValueError, match="except the first and the last"):
+        split_layers(4, 3, [2, 0, 2])  # a middle stage would hold no parameter
     with pytest.raises(ValueError, match="at least one layer"):
         split_layers(3, 4)

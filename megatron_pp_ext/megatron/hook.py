@@ -403,6 +403,9 @@ class Installed:
         # the whole model's shape, which the run's FLOP costs come from (schedule/run_costs.py):
         # set by whoever builds the model (train), else read from Megatron-LM's ``args``
         self.model: ModelShape | None = None
+        # the layers of each virtual stage where the run splits them unevenly: set by whoever
+        # builds the model (train), else read from Megatron-LM's ``args`` (``stage_layers``)
+        self.layers: tuple[int, ...] | None = None
         self.args = args
 
     @property
@@ -471,7 +474,10 @@ class Installed:
         """Layers of each virtual stage as megatron-core builds them under Megatron-LM's split
         flags (``--decoder-first/last-pipeline-num-layers``, ``--account-for-embedding/loss-in-
         pipeline-split``, ``--pipeline-model-parallel-layout``); None when the run has none (an
-        even split) or megatron-core refuses the split (it names the flag itself)."""
+        even split) or megatron-core refuses the split (it names the flag itself). :attr:`layers`
+        where set."""
+        if self.layers is not None:
+            return self.layers
         args = self.args
         flags = LayerSplitFlags.from_args(args)
         pp = getattr(args, "pipeline_model_parallel_size", None)

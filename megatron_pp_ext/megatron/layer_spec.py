@@ -20,7 +20,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from ..attention import SlicedCoreAttention
@@ -90,7 +90,11 @@ def layer_spec(use_te: bool | None = None, sliced: bool = False) -> ModuleSpec:
 def block_spec(spec: ModuleSpec, num_layers: int) -> ModuleSpec | TransformerBlockSubmodules:
     """The decoder block of ``num_layers`` layers of ``spec``. For the local spec the final norm
     is :class:`TorchNorm` (Megatron's default on CPU, ``WrappedTorchNorm``, refuses sequence
-    parallelism); a TE spec is returned as it is (its block picks TENorm)."""
+    parallelism); a TE spec is returned as it is (its block picks TENorm and builds the config's
+    layer count), except for no layers (a stage of the embedding or the loss alone, whose config
+    says one: ``model._gpt``), spelled out as megatron-core's block spells it."""
     if spec.submodules.input_layernorm is not TorchNorm:
+        if num_layers == 0:
+            return TransformerBlockSubmodules(layer_specs=[], layer_norm=LayerNormImpl)
         return spec
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=TorchNorm)

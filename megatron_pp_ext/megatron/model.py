@@ -145,7 +145,9 @@ def _gpt(
     use_te: bool | None,
     sliced: bool = False,
 ) -> GPTModel:
-    config = transformer_config(model, num_layers)
+    # a stage of the embedding or the loss alone builds no layer; megatron-core's config takes
+    # at least one (it scales the initial weights by it; ours are copied from the reference)
+    config = transformer_config(model, max(1, num_layers))
     sliced = sliced or config.context_parallel_size > 1  # our sliced attention runs CP, sliced or not
     gpt = GPTModel(
         config=config,

@@ -115,8 +115,11 @@ class ModelConfig:
 
 
 def split_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] | None = None) -> list[int]:
-    """Layers per virtual stage. Given explicitly, it must sum to ``num_layers``; by default an
-    even split whose remainder goes to the middle stages (the ends carry embedding and loss)."""
+    """Layers per virtual stage. Given explicitly, it must sum to ``num_layers``, and only the first
+    and last stage may hold none (a chunk of the embedding or the loss alone, as Megatron's layout
+    "E|t*4|t*4|L" builds; a middle chunk without a layer would hold no parameter, which the runtime
+    and DDP cannot run); by default an even split whose remainder goes to the middle stages (the
+    ends carry embedding and loss)."""
     if layers_per_stage is not None:
         if len(layers_per_stage) != num_stages:
             raise ValueError(f"layers_per_stage has {len(layers_per_stage)} entries for {num_stages} stages")
@@ -124,7 +127,10 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] |
             raise ValueError(
                 f"layers_per_stage {layers_per_stage} sums to {sum(layers_per_stage)}, not {num_layers}"
             )
-        if min(layers_per_stage) < 1:
-            raise ValueError(f"every stage needs at least one layer, got {layers_per_stage}")
+        if min(layers_per_stage) < 0 or min(layers_per_stage[1:-1], default=1) < 1:
+            raise ValueError(
+                f"every stage needs a layer, except the first and the last (they hold the embedding "
+                f"and the loss), got {layers_per_stage}"
+            )
         return list(layers_per_stage)
     return stage_layers(num_layers, num_stages)  # the schedule core's rule, so its memory model agrees

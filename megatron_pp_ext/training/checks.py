@@ -64,7 +64,8 @@ def check(settings: TrainSettings) -> None:
         flags["--microbatches"] = "--global-batch-size"
     if settings.chunks_flag is not None:
         flags["--vpp"] = settings.chunks_flag
-    run = RunShape(model.shape(), model.seq_length)  # the schedule checked is the one the run runs
+    # the schedule checked is the one the run runs: its costs from the run's layers per stage
+    run = RunShape(model.shape(), model.seq_length, settings.layers_per_stage)
     try:
         schedule = settings.pipeline.schedule_for(settings.pp, settings.microbatches, flags, run)
     except OptionError as error:

@@ -33,7 +33,7 @@ from ..megatron.steps import forward_step
 from ..stop import StopRequest
 from .data import TrainData
 from .metrics import RankFigures, TrainLog, report_ranks
-from .model import build_model, init_parallel, model_config
+from .model import build_model, init_parallel, layer_list, model_config
 from .optimizer_steps import build_optimizer_steps
 from .settings import TrainSettings, learning_rate, scheduler_state
 
@@ -65,7 +65,8 @@ class TrainJob:
         settings = self.settings
         self.model_config = model_config(settings)
         self.hook.model = self.model_config.shape()  # the run's costs order its schedule
-        run = run_shape(self.hook.model, self.model_config.seq_length)
+        self.hook.layers = settings.layers_per_stage  # and its layers per stage (Megatron's split flags)
+        run = run_shape(self.hook.model, self.model_config.seq_length, settings.layers_per_stage)
         self.schedule = self.hook.schedule(settings.pp, settings.microbatches, run)  # as the steps run it
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
         # Losses are reported per CP rank (its own tokens): summed over DP x CP. Data goes by DP rank.
@@ -82,7 +83,7 @@ class TrainJob:
             self.model,
             self.optimizer,
             self.schedule.placement.stages_of(pipeline_rank),
-            split_layers(self.model_config.num_layers, self.schedule.num_stages),
+            split_layers(self.model_config.num_layers, self.schedule.num_stages, layer_list(settings)),
             layout=checkpoint_layout(settings, self.schedule),
         )
         self.data = TrainData(settings, self.model_config.seq_length, self.dp_rank, len(self.model))

@@ -48,6 +48,11 @@ def model_config(settings: TrainSettings) -> ModelConfig:
     return ModelConfig(**{**settings.model, "extra": extra})
 
 
+def layer_list(settings: TrainSettings) -> list[int] | None:
+    """The run's layers per virtual stage as the builders take them (None: their even split)."""
+    return None if settings.layers_per_stage is None else list(settings.layers_per_stage)
+
+
 def build_model(
     settings: TrainSettings, config: ModelConfig, schedule: Any, pipeline_rank: int
 ) -> tuple[list[Any], Any]:
@@ -61,7 +66,13 @@ def build_model(
     use_te = settings.use_te(schedule.splits_backward)
     reference = build_reference(config, use_te=use_te)
     chunks, _ = build_chunks_from(
-        reference, config, schedule.placement, pipeline_rank, use_te=use_te, sliced=schedule.slices > 1
+        reference,
+        config,
+        schedule.placement,
+        pipeline_rank,
+        layer_list(settings),
+        use_te=use_te,
+        sliced=schedule.slices > 1,
     )
     # Before DDP: the shard joins chunk 0's parameters (DDP, optimizer, clipping see it).
     vocab = _shard_vocabulary(settings, config, schedule, pipeline_rank, chunks, reference)

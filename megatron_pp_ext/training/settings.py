@@ -17,6 +17,15 @@ import yaml
 from ..errors import UsageError
 from ..megatron import datasets
 from ..megatron.hook import MEGATRON_FLAGS, OptionError, PipelineOptions, chunks_per_rank
+from ..megatron.model_config import ModelConfig
+from ..schedule.generators import SCHEDULES, GeneratorSpec
+from ..schedule.layer_split import (
+    LAYOUT_FLAG,
+    LayerSplitFlags,
+    SplitError,
+    layout_chunks,
+    megatron_stage_layers,
+)
 
 # The generator's flag names as this command spells them: pretrain_gpt.py's, except that train
 # also takes the number of microbatches itself (--global-batch-size when given: check()).
@@ -71,6 +80,9 @@ class TrainSettings:
     distributed_backend: str | None = None
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     chunks_flag: str | None = None  # the flag that gave the chunk count, for errors; None: --pp-chunks
+    # decoder layers of each virtual stage (model order) under Megatron's layer-split flags, as
+    # megatron-core builds them; None: no such flag, train's own even split (split_layers)
+    layers_per_stage: tuple[int, ...] | None = None
 
     def iteration_samples(self) -> int:
         """Sequences per iteration over all data-parallel ranks: the global batch."""
@@ -153,6 +165,15 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
     unknown = set(training) - {f.name for f in dataclasses.fields(TrainSettings)}
     if unknown:
         raise UsageError("--config", f"{path}: unknown training keys {sorted(unknown)}")
+    chunks_flag = (
+        "--num-virtual-stages-per-pipeline-rank" if args.pp_chunks is None and args.virtual_stages else None
+    )
+    split_flags = LayerSplitFlags.from_args(args)
+    pp = int(training.get("pp", TrainSettings.pp))
+    if split_flags.layout is not None and pp >= 1:  # Megatron sets its virtual pipeline size from it
+        layout_count = _layout_chunks(split_flags.layout, pp, chunks, chunks_flag)
+        options, chunks_flag = dataclasses.replace(options, chunks=layout_count), LAYOUT_FLAG
+    layers = stage_split(split_flags, int(model.get("num_layers", ModelConfig.num_layers)), pp, options)
     dataset = datasets.DataOptions(
         data_path=tuple(args.data_path) if args.data_path is not None else None,
         split=args.split,
@@ -187,11 +208,72 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         post_validation_chain=getattr(args, "pp_post_validation_chain", None) or "measured",
         transformer_impl=args.transformer_impl,
         distributed_backend=args.distributed_backend,
-        chunks_flag="--num-virtual-stages-per-pipeline-rank"
-        if args.pp_chunks is None and args.virtual_stages
-        else None,
+        chunks_flag=chunks_flag,
+        layers_per_stage=layers,
         **training,
     )
+
+
+def _layout_chunks(layout: str, pp: int, chunks: int | None, chunks_flag: str | None) -> int:
+    """Model chunks per rank under ``--pipeline-model-parallel-layout``: its stage count over
+    ``pp``, as Megatron sets it; a chunk count on the command line (``chunks``) must agree."""
+    try:
+        count = layout_chunks(layout, pp)
+    except SplitError as error:
+        raise UsageError(error.flag, str(error)) from None
+    if chunks is not None and chunks != count:
+        raise UsageError(
+            chunks_flag or "--pp-chunks",
+            f"{chunks} disagrees with {LAYOUT_FLAG}, whose {count * pp} stages over {pp} pipeline ranks "
+            f"are {count} model chunks per rank: leave it out (the layout sets it)",
+        )
+    return count
+
+
+def stage_split(
+    flags: LayerSplitFlags, num_layers: int, pp: int, options: PipelineOptions
+) -> tuple[int, ...] | None:
+    """Decoder layers of each virtual stage under Megatron's layer-split flags (``flags``), as
+    megatron-core builds them for the schedule's chunks per rank; None without such a flag (train
+    keeps its own even split, which also takes layer counts the stages do not divide). A split
+    megatron-core refuses raises :class:`UsageError` naming the flag."""
+    spec = SCHEDULES.get(options.schedule)
+    if flags.even or spec is None:  # an unknown schedule: check() names --pp-schedule
+        return None
+    chunks = spec.default_vpp if options.chunks is None else options.chunks
+    if flags.layout is not None and not _takes(spec, chunks):
+        raise UsageError(LAYOUT_FLAG, _layout_schedule_mismatch(spec, chunks, pp))
+    try:
+        split = tuple(megatron_stage_layers(num_layers, pp, chunks, flags))
+    except SplitError as error:
+        raise UsageError(error.flag, str(error)) from None
+    empty = [stage for stage, count in enumerate(split[1:-1], start=1) if count == 0]
+    if empty:  # only a layout leaves a middle stage empty
+        raise UsageError(
+            LAYOUT_FLAG,
+            f"virtual stage {empty[0]} of {list(split)} has no decoder layer: train runs a stage without "
+            "layers only where it holds the embedding (the first) or the loss (the last); a middle one "
+            "would hold no parameter at all, which its pipeline rank cannot train: give it a layer (t)",
+        )
+    return split
+
+
+def _takes(spec: GeneratorSpec, chunks: int) -> bool:
+    """Whether the schedule of ``spec`` runs ``chunks`` model chunks per rank."""
+    return chunks >= max(1, spec.min_vpp) and (spec.allowed_vpp is None or chunks in spec.allowed_vpp)
+
+
+def _layout_schedule_mismatch(spec: GeneratorSpec, chunks: int, pp: int) -> str:
+    """Why a layout's chunks per rank do not fit the schedule, and what to change."""
+    runs = (
+        f"{max(1, spec.min_vpp)} or more"
+        if spec.allowed_vpp is None
+        else " or ".join(map(str, spec.allowed_vpp))
+    )
+    said = f"gives {chunks} model chunk(s) per pipeline rank, but --pp-schedule {spec.name} runs {runs}"
+    if chunks > 1:
+        return f"{said}: add --pp-schedule interleaved-1f1b (or another schedule of {chunks} chunks per rank)"
+    return f"{said}: spell out {spec.default_vpp * pp} stages, or use a schedule of one chunk per rank (1f1b)"
 
 
 # Megatron-LM's model flags and the config's model keys they set.
