@@ -9,6 +9,7 @@ import json
 import pytest
 
 from megatron_pp_ext.cli import main
+from megatron_pp_ext.schedule.costs import UniformCosts
 from megatron_pp_ext.schedule.generators import SCHEDULES, generate
 from megatron_pp_ext.schedule.ir import Op, OpKind, Schedule, format_op
 from megatron_pp_ext.schedule.lowering import insert_offload, insert_p2p, lower
@@ -368,6 +369,37 @@ def test_sweep_what_holds_for_every_generator(pp: int) -> None:
                         assert check_nccl(naive, strict=True, warmed=True, batch=True) is None, name
                 checked += 1
     assert checked >= 2 * len(SCHEDULES)
+
+
+class InstantComputes(UniformCosts):
+    """Every compute takes no time: only the replay's order tells causes from effects."""
+
+    def duration(self, op: Op) -> float:
+        return 0.0 if op.is_compute else super().duration(op)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_computes_that_take_no_time_still_give_an_order_that_completes(pp: int) -> None:
+    """A stage of the embedding alone costs no FLOPs (Megatron's layout "E|t*4|t*4|L"): a send it
+    forwards goes out at the very time of the message it waited for. The message order must still
+    put the cause first (it breaks ties by the replay's causal order): at instant computes and at
+    FLOP costs with layer-less end stages, every generator completes in order."""
+    for name, spec in SCHEDULES.items():
+        slices = max(1, spec.min_slices(pp, spec.default_vpp))
+        smallest_m = max(pp, spec.min_microbatches(pp, spec.default_vpp, slices))
+        for microbatches in sorted({smallest_m, max(smallest_m, 2 * pp + 1)}):
+            generated = generate(name, pp, microbatches, vpp=spec.default_vpp, slices=slices)
+            instant = InstantComputes(
+                num_stages=generated.num_stages, num_slices=generated.slices, chunks_per_rank=generated.vpp
+            )
+            stages = generated.num_stages
+            layers = (0, *[2] * (stages - 2), 0) if stages > 2 else (0, 2)
+            run = RunShape(
+                dataclasses.replace(get_model("llama3-8b"), layers=sum(layers)), 4096 * slices, layers
+            )
+            for costs in (instant, run_costs(run, generated, "none")):
+                ordered = lower(generated, costs)
+                assert check_nccl(ordered, strict=True, warmed=True) is None, (name, microbatches, costs)
 
 
 @pytest.mark.heavy

@@ -39,11 +39,8 @@ def settings_of(line: str) -> TrainSettings:
         ("--pp 2 --num-layers 3 --account-for-embedding-in-pipeline-split", (1, 2)),
         ("--pp 2 --num-layers 3 --account-for-loss-in-pipeline-split", (2, 1)),
         (f"--pp 2 --num-layers 6 {LAYOUT} Et|tt|t|ttL {INTERLEAVED}", (1, 2, 1, 2)),
-        # the layout sets the chunks per rank; the same count beside it is accepted
-        (
-            f"--pp 2 --num-layers 6 {LAYOUT} Et|tt|t|ttL {INTERLEAVED} {VIRTUAL} 2",
-            (1, 2, 1, 2),
-        ),
+        # the layout sets the chunks per rank; our --pp-chunks may repeat it
+        (f"--pp 2 --num-layers 6 {LAYOUT} Et|tt|t|ttL {INTERLEAVED} --pp-chunks 2", (1, 2, 1, 2)),
         # the schedule's own chunks per rank (a V: 2) share each rank's count
         ("--pp 2 --num-layers 6 --decoder-first-pipeline-num-layers 2 --pp-schedule v-half", (1, 2, 1, 2)),
         # a V with a layout: train's builder places virtual stages, not Megatron's round-robin ranks
@@ -96,11 +93,13 @@ def test_the_layout_sets_the_chunks_per_rank() -> None:
             "--pp-chunks",
             f"3 disagrees with {LAYOUT}",
         ),
+        # Megatron-LM refuses its chunk flag beside a layout, even when they agree
         (
             f"--pp 2 --num-layers 6 {LAYOUT} Et|tt|t|ttL {INTERLEAVED} {VIRTUAL} 3",
             VIRTUAL,
-            "leave it out",
+            "refuses the pair",
         ),
+        (f"--pp 2 --num-layers 6 {LAYOUT} Et|tt|t|ttL {INTERLEAVED} {VIRTUAL} 2", VIRTUAL, "leave it out"),
         # a middle stage without layers would hold no parameter
         (
             f"--pp 2 --num-layers 4 {LAYOUT} Et||tt|tL {INTERLEAVED}",

@@ -23,8 +23,11 @@ moves each RECV and each vocabulary collective to its place in the list:
   last member issues it then, and later would hold the others back.
 
 Ties in time are broken the same way on every rank: computes before collectives before sends,
-then by sender and position. Only the timing of the replay decides the list, so every rank
-derives the same one from the same schedule.
+then by the replay's order of the compute each send follows, then by sender and position. The
+replay order matters where computes take no time (a stage of the embedding alone, at FLOP costs):
+a send that such a compute forwards goes out at the very time of the message it waited for, and
+must still come after it. Only the replay decides the list, so every rank derives the same one
+from the same schedule.
 
 SlimPipe's attention redistribution (``exchanges``: the plan of ``redistribute.delegation_plan``)
 adds one more kind of message: in a lock-step slot the heavy op and the light op of a pair talk
@@ -70,6 +73,8 @@ def order_messages(
         costs = slot_costs(schedule) if exchanges else _ordering_costs(schedule)
     result = replay(schedule, costs)
     compute_end = {(event.rank, event.op): event.end for event in result.events}
+    # the replay runs a compute only once its inputs have arrived: its order is causal
+    replay_order = {(event.rank, event.op): index for index, event in enumerate(result.events)}
     completion = {(event.rank, event.op): event.end for event in result.collectives}
     channel_index: dict[tuple[int, str], int] = {}
     exchange_keys = _exchange_keys(schedule, exchanges or {}, compute_end)
@@ -78,13 +83,13 @@ def order_messages(
     fixed_keys: list[list[Key | None]] = []
     for rank, ops in enumerate(schedule.ranks):
         keys: list[Key | None] = []
-        last_end = 0.0
+        last_end, last_index = 0.0, -1
         for position, op in enumerate(ops):
             if op.kind in SENDS:
-                sends[message_key(op)] = (last_end, SEND, rank, position)
+                sends[message_key(op)] = (last_end, SEND, last_index, rank, position)
                 keys.append(sends[message_key(op)])
             elif (rank, op) in compute_end:
-                last_end = compute_end[(rank, op)]
+                last_end, last_index = compute_end[(rank, op)], replay_order[(rank, op)]
                 keys.append(exchange_keys.get((rank, op), (last_end, COMPUTE)))
             else:
                 keys.append(None)

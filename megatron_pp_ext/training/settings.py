@@ -221,6 +221,12 @@ def _layout_chunks(layout: str, pp: int, chunks: int | None, chunks_flag: str | 
         count = layout_chunks(layout, pp)
     except SplitError as error:
         raise UsageError(error.flag, str(error)) from None
+    if chunks_flag == "--num-virtual-stages-per-pipeline-rank":  # Megatron-LM takes one of the two
+        raise UsageError(
+            chunks_flag,
+            f"cannot be combined with {LAYOUT_FLAG} (Megatron-LM refuses the pair): leave it out, the "
+            f"layout's {count * pp} stages over {pp} pipeline ranks set {count} model chunks per rank",
+        )
     if chunks is not None and chunks != count:
         raise UsageError(
             chunks_flag or "--pp-chunks",
