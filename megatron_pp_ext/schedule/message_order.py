@@ -23,11 +23,11 @@ moves each RECV and each vocabulary collective to its place in the list:
   last member issues it then, and later would hold the others back.
 
 Ties in time are broken the same way on every rank: computes before collectives before sends,
-then by the replay's order of the compute each send follows, then by sender and position. The
-replay order matters where computes take no time (a stage of the embedding alone, at FLOP costs):
-a send that such a compute forwards goes out at the very time of the message it waited for, and
-must still come after it. Only the replay decides the list, so every rank derives the same one
-from the same schedule.
+then by zero-time depth (below), then by sender and position. Where computes take no time (a
+stage of the embedding alone, at FLOP costs), a send that such a compute forwards goes out at the
+very time of the message it waited for, and must still come after it: its depth is one more
+(``_zero_time_depths``). Where every compute takes time, every depth is 0. Only the replay decides
+the list, so every rank derives the same one from the same schedule.
 
 SlimPipe's attention redistribution (``exchanges``: the plan of ``redistribute.delegation_plan``)
 adds one more kind of message: in a lock-step slot the heavy op and the light op of a pair talk
@@ -73,8 +73,7 @@ def order_messages(
         costs = slot_costs(schedule) if exchanges else _ordering_costs(schedule)
     result = replay(schedule, costs)
     compute_end = {(event.rank, event.op): event.end for event in result.events}
-    # the replay runs a compute only once its inputs have arrived: its order is causal
-    replay_order = {(event.rank, event.op): index for index, event in enumerate(result.events)}
+    depths = _zero_time_depths(schedule, result.events)
     completion = {(event.rank, event.op): event.end for event in result.collectives}
     channel_index: dict[tuple[int, str], int] = {}
     exchange_keys = _exchange_keys(schedule, exchanges or {}, compute_end)
@@ -83,13 +82,13 @@ def order_messages(
     fixed_keys: list[list[Key | None]] = []
     for rank, ops in enumerate(schedule.ranks):
         keys: list[Key | None] = []
-        last_end, last_index = 0.0, -1
+        last_end, last_depth = 0.0, 0
         for position, op in enumerate(ops):
             if op.kind in SENDS:
-                sends[message_key(op)] = (last_end, SEND, last_index, rank, position)
+                sends[message_key(op)] = (last_end, SEND, last_depth, rank, position)
                 keys.append(sends[message_key(op)])
             elif (rank, op) in compute_end:
-                last_end, last_index = compute_end[(rank, op)], replay_order[(rank, op)]
+                last_end, last_depth = compute_end[(rank, op)], depths[(rank, op)]
                 keys.append(exchange_keys.get((rank, op), (last_end, COMPUTE)))
             else:
                 keys.append(None)
@@ -141,6 +140,47 @@ def _merge(
         ordered.append(op)
     ordered.extend(item for _, item in movable[taken:])
     return ordered
+
+
+def _zero_time_depths(schedule: Schedule, events: list[Any]) -> dict[tuple[int, Op], int]:
+    """(rank, compute) -> how many messages forwarded at one instant lead to it: 0 for a compute
+    that takes time; for one that takes none, one more than the compute that sent the message it
+    consumes when that message went out at its own end time, and at least as many as the compute
+    before it on its rank when that one ended then. ``events`` are the replay's, in the order it
+    ran them: a compute runs once its inputs have arrived, so every source comes before."""
+    sender: dict[tuple[str, int, int, int], tuple[int, Op]] = {}  # message -> compute before its SEND
+    ran = {(event.rank, event.op) for event in events}
+    for rank, ops in enumerate(schedule.ranks):
+        last: Op | None = None
+        for op in ops:
+            if op.kind in SENDS and last is not None:
+                sender[message_key(op)] = (rank, last)
+            elif (rank, op) in ran:
+                last = op
+    end = {(event.rank, event.op): event.end for event in events}
+    depths: dict[tuple[int, Op], int] = {}
+    previous: dict[int, tuple[float, int]] = {}  # rank -> (end, depth) of its last compute
+    for event in events:
+        depth = 0
+        if event.end == event.start:
+            before = previous.get(event.rank)
+            if before is not None and before[0] == event.end:
+                depth = before[1]
+            source = sender.get(_input_key(event.op)) if _input_key(event.op) else None
+            if source is not None and end[source] == event.end:
+                depth = max(depth, depths[source] + 1)
+        depths[(event.rank, event.op)] = depth
+        previous[event.rank] = (event.end, depth)
+    return depths
+
+
+def _input_key(op: Op) -> tuple[str, int, int, int] | None:
+    """The message a compute consumes (as ``message_key`` names it), None for one that takes none."""
+    if op.kind == OpKind.F:
+        return ("F", op.stage, op.microbatch, op.slice)
+    if op.kind in (OpKind.B, OpKind.BW):
+        return ("B", op.stage, op.microbatch, op.slice)
+    return None
 
 
 def _consumed_key(op: Op) -> tuple[Any, ...]:
