@@ -31,15 +31,24 @@ with warnings.catch_warnings():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+def megatron_config(layers: int, pp: int, **split: object) -> TransformerConfig:
+    """A small megatron-core config of ``layers`` over ``pp`` ranks with the given split fields."""
+    return TransformerConfig(
+        num_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp,
+        **split,
+    )
+
+
 def megatron_split(layers: int, pp: int, vpp: int, flags: LayerSplitFlags) -> list[int] | None:
     """What megatron-core builds on each virtual stage (stage = chunk x pp + rank), None if it refuses."""
     try:
-        config = TransformerConfig(
-            num_layers=layers,
-            hidden_size=64,
-            num_attention_heads=4,
-            pipeline_dtype=torch.float32,
-            pipeline_model_parallel_size=pp,
+        config = megatron_config(
+            layers,
+            pp,
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
             num_layers_in_first_pipeline_stage=flags.first,
             num_layers_in_last_pipeline_stage=flags.last,
@@ -105,14 +114,7 @@ def test_layout_strings_parse_as_megatron_core(text: str) -> None:
 )
 def test_layouts_split_as_megatron_core(text: str, layers: int, pp: int) -> None:
     stages = len(parse_layout(text))
-    config = TransformerConfig(
-        num_layers=layers,
-        hidden_size=64,
-        num_attention_heads=4,
-        pipeline_dtype=torch.float32,
-        pipeline_model_parallel_size=pp,
-        pipeline_model_parallel_layout=text,
-    )
+    config = megatron_config(layers, pp, pipeline_model_parallel_layout=text)
     grid = config.pipeline_model_parallel_layout.layout  # [rank][chunk]
     expected = [grid[stage % pp][stage // pp].count(LayerType.decoder) for stage in range(stages)]
     assert megatron_stage_layers(layers, pp, stages // pp, LayerSplitFlags(layout=text)) == expected
