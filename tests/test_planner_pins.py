@@ -294,6 +294,11 @@ def test_from_args_refuses_uneven_stages_megatron_core_refuses(capsys: pytest.Ca
         ("--pipeline-model-parallel-layout 'Et*14|t*16L'", "--pipeline-model-parallel-layout"),
         ("--pipeline-model-parallel-layout 'Et*7|t*8|t*8|t*7L|'", "--pipeline-model-parallel-layout"),
         ("--pipeline-model-parallel-layout 'Et*7|t*8|t*8|t*6mL'", "--pipeline-model-parallel-layout"),
+        # pretrain_gpt.py refuses a layout under a V: megatron-core places its stages round-robin
+        (
+            "--pipeline-model-parallel-layout 'Et*3|t*4|t*4|t*4|t*4|t*4|t*4|t*3L' --pp-schedule v-half",
+            "--pipeline-model-parallel-layout",
+        ),
         (
             "--pipeline-model-parallel-layout 'Et*7|t*8|t*8|t*7L' --num-virtual-stages-per-pipeline-rank 2",
             "--pipeline-model-parallel-layout",

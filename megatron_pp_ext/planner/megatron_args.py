@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..schedule.generators import SCHEDULES
+from ..schedule.ir import Placement
 from ..schedule.layer_split import (
     LAYOUT_FLAG,
     LayerSplitFlags,
@@ -213,6 +215,7 @@ def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
     if recompute == "full" and args.recompute_method == "block":
         recompute_layers = args.recompute_num_layers or 1
     layers = _split(args, shape.layers, pp, vpp)
+    _check_layout_placement(args, schedule, pp, vpp)
     try:
         return Pins(
             stage_layers=layers,
@@ -282,6 +285,22 @@ def _chunks(args: argparse.Namespace, layers: int, pp: int) -> int | None:
             f"{per_stage} does not divide the {per_rank} layers of a pipeline rank",
         )
     return per_rank // per_stage
+
+
+def _check_layout_placement(args: argparse.Namespace, schedule: str, pp: int, vpp: int) -> None:
+    """pretrain_gpt.py's refusal (megatron/pretrain.py ``check_args``): megatron-core places a
+    layout's stages round-robin by the real pipeline rank, so a schedule that puts the last stage
+    elsewhere (a V) would build the wrong layers there."""
+    spec = SCHEDULES.get(schedule)
+    if args.pipeline_model_parallel_layout is None or spec is None or pp < 2:
+        return
+    last = Placement(pp, pp * vpp, spec.placement).rank_of(pp * vpp - 1)
+    if last != pp - 1:
+        raise ArgsError(
+            LAYOUT_FLAG,
+            f"{schedule} places the last stage on rank {last}; a custom layout assumes Megatron's "
+            "round-robin placement: use --decoder-first/last-pipeline-num-layers instead",
+        )
 
 
 def _split(args: argparse.Namespace, layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
