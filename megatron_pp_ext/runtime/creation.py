@@ -40,6 +40,10 @@ class CreationError(PeerError):
     """A communicator's creation did not complete within the deadline (a peer never arrived)."""
 
 
+class ScheduleMismatch(PeerError):
+    """Two ranks of a pipeline resolved different schedules: their warm-up tokens disagree."""
+
+
 @dataclass(frozen=True, order=True)
 class Communicator:
     """One communicator: a collective group, or a pair of one point-to-point group. Ordered by
@@ -112,24 +116,29 @@ class Creation:
             self._create(communicator, what)
         self.created.add(communicator)
 
-    def warm_up(self, communicators: Iterable[Communicator]) -> None:
-        """Create this rank's communicators among ``communicators``, in the global order."""
+    def warm_up(self, communicators: Iterable[Communicator], digest: int = 0) -> None:
+        """Create this rank's communicators among ``communicators``, in the global order. With a
+        ``digest`` (``Schedule.comm_digest`` of the step about to run), each pair's handshake
+        carries it and both ends compare: a rank whose schedule differs (another version of the
+        plugin, other flags on one node) is named here, not by a hang in mid-step."""
         me = dist.get_rank()
         start = time.monotonic()
         for communicator in sorted(set(communicators)):
             if me in communicator.members and communicator not in self.created:
-                self._create(communicator, "the warm-up")
+                self._create(communicator, "the warm-up", digest)
                 self.created.add(communicator)
         self.warm_up_seconds += time.monotonic() - start
 
-    def _create(self, communicator: Communicator, what: str) -> None:
-        """One tiny exchange over ``communicator`` that every member must join."""
+    def _create(self, communicator: Communicator, what: str, digest: int = 0) -> None:
+        """One tiny exchange over ``communicator`` that every member must join (a pair's carries
+        ``digest`` both ways; 0: none to compare)."""
         deadline = self.comm.timeout_s
         me = dist.get_rank()
         others = [rank for rank in communicator.members if rank != me]
+        theirs = 0
         try:
             if communicator.kind == 1:
-                self._handshake(communicator, others[0], deadline)
+                theirs = self._handshake(communicator, others[0], deadline, digest)
             elif self.comm.backend == "gloo":
                 timeout = datetime.timedelta(seconds=deadline)
                 dist.monitored_barrier(group=communicator.group, timeout=timeout, wait_all_ranks=True)
@@ -144,17 +153,28 @@ class Creation:
                 f"(global ranks {list(communicator.members)}) for rank {peers or others} within "
                 f"{deadline:.1f}s: a peer is creating another communicator first, or is gone ({error})"
             ) from error
+        if digest and theirs and theirs != digest:
+            peer = self.comm.ranks.index(others[0]) if others[0] in self.comm.ranks else others[0]
+            raise ScheduleMismatch(
+                f"rank {self.comm.rank}: pipeline rank {peer} resolved a different schedule for this "
+                f"step (its messages' digest {theirs:016x}, here {digest:016x}), found creating "
+                f"{communicator.name}: every rank must run the same megatron_pp_ext with the same "
+                "--pp-* flags, model and batch; the first message where they differ would hang"
+            )
 
-    def _handshake(self, communicator: Communicator, peer: int, deadline: float) -> None:
+    def _handshake(self, communicator: Communicator, peer: int, deadline: float, digest: int = 0) -> int:
         """The sender sends a token, the receiver answers: both block until the other arrives
-        (the sender's first message goes the channel's way, as Megatron's first send does)."""
-        token = torch.zeros(1, device=self.comm.device)
+        (the sender's first message goes the channel's way, as Megatron's first send does). The
+        tokens carry each end's ``digest``; returns the peer's."""
+        token = torch.tensor([digest], dtype=torch.int64, device=self.comm.device)
+        answer = torch.zeros(1, dtype=torch.int64, device=self.comm.device)
         group = communicator.group
         peer_index = self.comm.ranks.index(peer)
         what = f"creating {communicator.name} with"
         if dist.get_rank() == communicator.sender:
             dist.isend(token, dst=peer, group=group).wait()
-            self.comm.wait_work(dist.irecv(token, src=peer, group=group), what, peer_index)
+            self.comm.wait_work(dist.irecv(answer, src=peer, group=group), what, peer_index)
         else:
-            self.comm.wait_work(dist.irecv(token, src=peer, group=group), what, peer_index)
+            self.comm.wait_work(dist.irecv(answer, src=peer, group=group), what, peer_index)
             dist.isend(token, dst=peer, group=group).wait()
+        return int(answer.item())

@@ -377,7 +377,8 @@ class PipelineRuntime:
         """Create every communicator of ``lowered`` before its first step (``creation.py``)."""
         warmed = (id(lowered), len(self.redistribution.links()))
         if self.warm_up and warmed not in self._warmed:
-            self.comm.creation.warm_up(self._communicators(lowered, vocab_parallel))
+            communicators = self._communicators(lowered, vocab_parallel)
+            self.comm.creation.warm_up(communicators, lowered.comm_digest())
             self._warmed.add(warmed)
 
     def _grad_sync(self, step: _StepArgs) -> GradSync:

@@ -14,6 +14,7 @@ This module is pure Python on purpose: the whole schedule core runs without torc
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -300,6 +301,18 @@ class Schedule:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
+
+    def comm_digest(self) -> int:
+        """A 63-bit digest of every rank's messages and collectives in their order: what ranks
+        must agree on to talk (their compute and activation copies may differ, e.g. offload's
+        measured k). The runtime's warm-up compares it between peers (``runtime/creation.py``)."""
+        parts = [
+            f"{rank}:" + " ".join(format_op(op) for op in ops if op.is_comm or op.is_collective)
+            for rank, ops in enumerate(self.ranks)
+        ]
+        header = f"{self.pp} {self.num_stages} {self.microbatches} {self.slices} {self.placement.style}"
+        digest = hashlib.sha256("\n".join([header, *parts]).encode()).digest()
+        return int.from_bytes(digest[:8], "big") >> 1
 
     @classmethod
     def from_json(cls, text: str) -> Schedule:
