@@ -235,6 +235,9 @@ BOTH: list[tuple[str, str | None]] = [
     (f"{P4} --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1", None),
     (f"{P2} --pp-schedule interleaved-1f1b --pipeline-model-parallel-layout Ettt|t|tt|ttL", None),
     (f"{P4} --pp-schedule interleaved-1f1b --pipeline-model-parallel-layout Et|t*2|t|t|t|t|t|L", None),
+    # splits megatron-core refuses only when it builds the model: refused before any process starts
+    (f"{P2} --pipeline-model-parallel-layout Ettt|ttL", "--pipeline-model-parallel-layout"),
+    (f"{P4} --decoder-first-pipeline-num-layers 3", "--decoder-first-pipeline-num-layers"),
 ]
 
 

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..schedule.ir import Placement
+from ..schedule.layer_split import LayerSplitFlags, SplitError, megatron_stage_layers
 from .hook import (
     Installed,
     OptionError,
@@ -187,6 +188,7 @@ def check_args(args: Any) -> None:
             f"(or drop --pp-chunks)",
             "--num-virtual-stages-per-pipeline-rank",
         )
+    _check_layer_split(args, pp, chunks)
     placement = schedule.placement
     last_rank = placement.rank_of(placement.num_stages - 1)
     if last_rank != pp - 1 and getattr(args, "pipeline_model_parallel_layout", None):
@@ -218,6 +220,19 @@ def check_args(args: Any) -> None:
         from ..schedule.models import megatron_shape
 
         options.slice_lengths(schedule, args.seq_length, megatron_shape(args))
+
+
+def _check_layer_split(args: Any, pp: int, chunks: int) -> None:
+    """Megatron's layer-split flags against ``--num-layers`` before any process starts:
+    megatron-core checks a layout's layer count, or an end-rank count its chunks cannot share, only
+    when it builds the model (``schedule/layer_split.py`` checks as it does)."""
+    flags = LayerSplitFlags.from_args(args)
+    if flags.even or not getattr(args, "num_layers", None):
+        return
+    try:
+        megatron_stage_layers(args.num_layers, pp, chunks, flags)
+    except SplitError as error:
+        raise OptionError(str(error), error.flag) from None
 
 
 def _check_vocab_args(args: Any) -> None:
