@@ -107,3 +107,19 @@ def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
     done = subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True)
     assert done.stderr == "", done.stderr
     assert done.returncode == 1
+
+
+def test_simulate_takes_megatron_s_layer_split(capsys) -> None:
+    """``simulate --model`` with Megatron's layer-split flags replays megatron-core's split: each
+    rank's busy time follows its layers, and a split megatron-core refuses exits 2 naming the flag."""
+    base = ["simulate", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--json"]
+    base += ["--model", "llama3-8b", "--seq-length", "4096"]
+    assert main(base) == 0
+    even = json.loads(capsys.readouterr().out)["busy_per_rank"]
+    assert main([*base, "--decoder-first-pipeline-num-layers", "5"]) == 0  # 5 / 9 / 9 / 9
+    uneven = json.loads(capsys.readouterr().out)["busy_per_rank"]
+    assert uneven[0] == pytest.approx(even[0] * 5 / 8, rel=0.02)
+    assert uneven[1] == pytest.approx(even[1] * 9 / 8, rel=0.02)
+    assert main([*base, "--decoder-first-pipeline-num-layers", "6"]) == 2  # 26 over 3
+    err = capsys.readouterr().err
+    assert "--decoder-first-pipeline-num-layers" in err and "cannot share evenly" in err

@@ -27,6 +27,7 @@ from ..schedule.costs import CostModel, UniformCosts
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule, load
 from ..schedule.iterations import IterationsResult, simulate_iterations
+from ..schedule.layer_split import LayerSplitFlags, SplitError, add_layer_split_args, megatron_stage_layers
 from ..schedule.lowering import lower
 from ..schedule.memory_model import MemoryParts, ParallelError, Parallelism, check_parallel, stage_layers
 from ..schedule.models import ModelShape
@@ -101,6 +102,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "attention to light partners (needs --model; 0 = off)",
     )
     add_parallel_args(parser)
+    add_layer_split_args(parser)
     add_offload_args(parser, simulator=True)
     group = parser.add_argument_group("vocabulary parallelism (Yeung et al., MLSys'25)")
     group.add_argument(
@@ -408,8 +410,15 @@ def cost_model(
 
 
 def layers_of(args: argparse.Namespace, schedule: Schedule) -> list[int]:
-    """Layers per virtual stage as the runtime splits them, so activations and weights agree."""
+    """Layers per virtual stage as the runtime splits them (megatron-core's split under
+    Megatron's layer-split flags), so activations, weights and the message order agree."""
     layers = model_shape(args).layers
+    flags = LayerSplitFlags.from_args(args)
+    if not flags.even:
+        try:
+            return megatron_stage_layers(layers, schedule.pp, schedule.vpp, flags)
+        except SplitError as error:
+            raise UsageError(error.flag, str(error)) from None
     try:
         return stage_layers(layers, schedule.num_stages)
     except ValueError:
@@ -514,7 +523,7 @@ def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
     except ScheduleError as error:
         raise UsageError(flag, str(error)) from None
     model = model_for(args, schedule, costs)
-    run = run_of(args)
+    run = run_of(args, schedule)
     variant = args.pp_vocab_parallel
     if variant == "none":
         return finish(args, as_run(schedule, run), model)
@@ -534,13 +543,15 @@ def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
     return result
 
 
-def run_of(args: argparse.Namespace) -> RunShape | None:
+def run_of(args: argparse.Namespace, schedule: Schedule) -> RunShape | None:
     """The run ``--model`` describes: its FLOP costs place the vocabulary passes and order the
-    messages, as the runtime resolves the schedule (``schedule/run_costs.py``); None without a
-    model (unit costs, as a schedule without a model runs)."""
+    messages, as the runtime resolves the schedule (``schedule/run_costs.py``; its layers per
+    stage under Megatron's split flags); None without a model (unit costs, as a schedule without a
+    model runs)."""
     if args.model is None:
         return None
-    return RunShape(model_shape(args), args.seq_length)
+    split = None if LayerSplitFlags.from_args(args).even else tuple(layers_of(args, schedule))
+    return RunShape(model_shape(args), args.seq_length, split)
 
 
 def as_run(schedule: Schedule, run: RunShape | None) -> Schedule:

@@ -24,7 +24,7 @@ import argparse
 from ..errors import JobError, UsageError
 from ..megatron import datasets
 from ..megatron.hook import add_args
-from ..schedule.layer_split import EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG, LOSS_FLAG
+from ..schedule.layer_split import add_layer_split_args
 from ..training.settings import DEFAULT_CONFIG, TrainSettings, load_settings, resolve_layout
 
 __all__ = ["JobError", "UsageError", "add_parser", "run", "settings_from_argv"]
@@ -77,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Megatron's: model chunks per pipeline rank (the same as --pp-chunks; give either)",
     )
     _add_model_args(parser)
-    _add_layer_split_args(parser)
+    add_layer_split_args(parser)
     parser.add_argument(
         "--distributed-backend",
         choices=("nccl", "gloo"),
@@ -237,31 +237,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         ("--disable-bias-linear", "no linear-layer biases"),
     ):
         model.add_argument(flag, action="store_true", help=f"{what} (what train builds; accepted)")
-
-
-def _add_layer_split_args(parser: argparse.ArgumentParser) -> None:
-    """Megatron-LM's layer-split flags, with its names and meaning (``schedule/layer_split.py``):
-    a pretrain_gpt.py command line that moves layers between stages runs here unchanged."""
-    split = parser.add_argument_group("the layers of each pipeline stage (Megatron's flags)")
-    split.add_argument(
-        FIRST_FLAG,
-        dest="decoder_first_pipeline_num_layers",
-        type=int,
-        help="layers on the first pipeline rank",
-    )
-    split.add_argument(
-        LAST_FLAG, dest="decoder_last_pipeline_num_layers", type=int, help="layers on the last pipeline rank"
-    )
-    split.add_argument(
-        EMBEDDING_FLAG, action="store_true", help="count the embedding as a layer of the first stage"
-    )
-    split.add_argument(LOSS_FLAG, action="store_true", help="count the loss as a layer of the last stage")
-    split.add_argument(
-        LAYOUT_FLAG,
-        dest="pipeline_model_parallel_layout",
-        help='every virtual stage spelled out, e.g. "Ett|(tt|)*2,ttL" (E embedding, t layer, L loss); '
-        "its stage count sets the model chunks per rank",
-    )
 
 
 def run(args: argparse.Namespace) -> int:

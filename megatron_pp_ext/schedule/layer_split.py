@@ -20,6 +20,7 @@ flag. Pure Python: the planner and the hook's run costs use it without torch.
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass
 
@@ -280,3 +281,28 @@ def split_flags(flags: LayerSplitFlags) -> list[str]:
     if flags.layout is not None:
         args += [LAYOUT_FLAG, flags.layout]
     return args
+
+
+def add_layer_split_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's layer-split flags, with its names and the attributes it reads (``train`` and
+    ``simulate`` take them: a pretrain_gpt.py command line that moves layers runs there unchanged)."""
+    split = parser.add_argument_group("the layers of each pipeline stage (Megatron's flags)")
+    split.add_argument(
+        FIRST_FLAG,
+        dest="decoder_first_pipeline_num_layers",
+        type=int,
+        help="layers on the first pipeline rank",
+    )
+    split.add_argument(
+        LAST_FLAG, dest="decoder_last_pipeline_num_layers", type=int, help="layers on the last pipeline rank"
+    )
+    split.add_argument(
+        EMBEDDING_FLAG, action="store_true", help="count the embedding as a layer of the first stage"
+    )
+    split.add_argument(LOSS_FLAG, action="store_true", help="count the loss as a layer of the last stage")
+    split.add_argument(
+        LAYOUT_FLAG,
+        dest="pipeline_model_parallel_layout",
+        help='every virtual stage spelled out, e.g. "Ett|(tt|)*2,ttL" (E embedding, t layer, L loss); '
+        "its stage count sets the model chunks per rank",
+    )
