@@ -172,7 +172,7 @@ def test_uneven_splits_are_megatron_s_and_balanced(
     itself builds, every virtual stage with a layer, the least loaded busiest rank first."""
     options = uneven_splits(layers, pp, vpp)
     if first_split is None:
-        assert options == []
+        assert not options
         return
     assert megatron_stage_layers(layers, pp, vpp, options[0]) == first_split
     for flags in options:

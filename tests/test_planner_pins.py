@@ -312,15 +312,15 @@ def test_the_search_splits_layers_unevenly_as_megatron_can_and_emits_the_flags(
     capsys: pytest.CaptureFixture,
 ) -> None:
     """32 layers on 7 GPUs: no even split, but Megatron's --decoder-first/last-pipeline-num-layers
-    make PP7 possible; the search predicts it with that split, --emit flags writes the flags, and
-    they read back through --from-args to the same prediction."""
+    make PP7 possible; the search predicts it with such a split (the output layer's rank lighter),
+    --emit flags writes the flags, and they read back through --from-args to the same prediction."""
     base = ["--model", "llama2-7b", "--gpus", "7", "--seq-length", "4096", "--schedules", "1f1b"]
     code, top, err = run_cli(capsys, ["plan", *base, "--json", "--top", "1"])
     assert code == 0, err
     best = json.loads(top)[0]
-    assert best["pp"] == 7 and best["stage_layers"] == [3, 5, 5, 5, 5, 5, 4]
+    assert best["pp"] == 7 and best["stage_layers"] == [4, 5, 5, 5, 5, 5, 3]
     code, flags, _ = run_cli(capsys, ["plan", *base, "--emit", "flags"])
-    assert "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 4" in flags
+    assert "--decoder-first-pipeline-num-layers 4 --decoder-last-pipeline-num-layers 3" in flags
     code, out, err = run_cli(
         capsys, ["plan", "--from-args", flags.strip() + " --vocab-size 32000", "--gpus", "7", "--json"]
     )
@@ -332,6 +332,26 @@ def test_the_search_splits_layers_unevenly_as_megatron_can_and_emits_the_flags(
     even = re.sub(r" --decoder-(first|last)-pipeline-num-layers \d+", "", flags.strip())
     code, _, err = run_cli(capsys, ["plan", "--from-args", even + " --vocab-size 32000", "--gpus", "7"])
     assert code == 2 and "--decoder-first-pipeline-num-layers 3" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_search_lightens_the_output_layer_s_rank_where_that_beats_the_even_split() -> None:
+    """Llama 3 8B (a 128K vocabulary: the output layer is about two layers' work) on TP2 x PP4:
+    32 layers divide evenly, but 8/9/9/6 (--decoder-first/last-pipeline-num-layers 8 and 6) takes
+    the last rank's extra work off the critical path; the search finds it, predicted faster than
+    the even split of the same plan."""
+    from dataclasses import replace
+
+    from megatron_pp_ext.planner.devices import get_profile
+    from megatron_pp_ext.planner.pins import Pins
+    from megatron_pp_ext.planner.step import Problem, evaluate
+    from megatron_pp_ext.schedule.models import get_model
+
+    problem = Problem(get_model("llama3-8b"), 8192, 8, get_profile("h100-80gb"), 64)
+    result = search(problem, top=1, schedules=["1f1b"], pins=Pins(tp=2, pp=4))
+    best = result.plans[0]
+    assert best.candidate.layers == (8, 9, 9, 6)
+    even = evaluate(problem, replace(best.candidate, layers=None, split=None), full=True)
+    assert even.step_time > best.step_time * 1.05
 
 
 def test_from_args_reads_its_own_flags_the_way_plan_emits_them(capsys: pytest.CaptureFixture) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from types import SimpleNamespace
 
+from ..schedule.flops import head_layers
 from ..schedule.generators import SCHEDULES, generate
 from ..schedule.ir import Placement
 from ..schedule.layer_split import LayerSplitFlags, megatron_stage_layers, uneven_splits
@@ -91,17 +92,19 @@ def chunk_options(name: str, layers: int, pp: int) -> list[int]:
     return [v for v in divisors(layers // pp) if v >= max(2, spec.min_vpp)]
 
 
-def chunk_splits(name: str, layers: int, pp: int) -> list[tuple[int, LayerSplitFlags | None]]:
+def chunk_splits(
+    name: str, layers: int, pp: int, ends: tuple[float, float] = (1.0, 1.0)
+) -> list[tuple[int, LayerSplitFlags | None]]:
     """(chunks per rank, Megatron's split flags) ``name`` can take over ``pp`` ranks: the even
-    splits, and for chunk counts the layers do not divide, Megatron's uneven splits
-    (``uneven_splits``: every virtual stage keeps a layer)."""
+    splits, and Megatron's uneven ones (``uneven_splits``: every virtual stage keeps a layer)
+    where the layers do not divide or where they beat the even split, the first and last rank
+    carrying ``ends`` (the embedding's and the output layer's work, in layers)."""
     options: list[tuple[int, LayerSplitFlags | None]] = [(v, None) for v in chunk_options(name, layers, pp)]
     spec = SCHEDULES[name]
-    if spec.allowed_vpp is not None:
-        uneven = [v for v in spec.allowed_vpp if layers % (pp * v)]
-    else:
-        uneven = [v for v in range(max(2, spec.min_vpp), layers // pp + 1) if layers % (pp * v)]
-    return options + [(v, split) for v in uneven for split in uneven_splits(layers, pp, v)]
+    counts = (
+        spec.allowed_vpp if spec.allowed_vpp is not None else range(max(2, spec.min_vpp), layers // pp + 1)
+    )
+    return options + [(v, split) for v in counts for split in uneven_splits(layers, pp, v, ends=ends)]
 
 
 def slice_options(name: str, seq_length: int, multiple: int, pp: int, vpp: int) -> list[int]:
@@ -127,11 +130,14 @@ def pipeline_choices(
     pins = pins or Pins()
     layers = problem.shape.layers
     multiple = math.lcm(8, layout.parallel.sequence_multiple)
+    # the last stage's output layer, unless vocabulary parallelism spreads it over every rank
+    head = head_layers(problem.shape, problem.seq_length) if (pins.vocab or "none") == "none" else 0.0
+    ends = (0.0, round(head, 2))
     choices = []
     for name in pins.schedules(names):
         if layout.pp == 1 and name not in ("1f1b", "slimpipe"):
             continue
-        for vpp, split in chunk_splits(name, layers, layout.pp) if layout.pp > 1 else [(1, None)]:
+        for vpp, split in chunk_splits(name, layers, layout.pp, ends) if layout.pp > 1 else [(1, None)]:
             if not pins.chunks_allowed(layers, layout.pp, vpp):
                 continue
             for k in slice_options(name, problem.seq_length, multiple, layout.pp, vpp):

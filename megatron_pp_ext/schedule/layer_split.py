@@ -21,6 +21,8 @@ flag. Pure Python: the planner and the hook's run costs use it without torch.
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import re
 from dataclasses import dataclass
 
@@ -220,30 +222,38 @@ def _layout_layers(flags: LayerSplitFlags, layers: int, pp: int, vpp: int) -> li
     return split
 
 
-def _rank_load(split: list[int], pp: int) -> int:
-    """The busiest rank's layers, the embedding and the loss counted as one layer each (what
-    Megatron's ``--account-for-*`` flags assume)."""
-    per_rank = [sum(split[rank::pp]) for rank in range(pp)]
-    per_rank[0] += 1
-    per_rank[-1] += 1
-    return max(per_rank)
+def _rank_load(split: list[int], pp: int, ends: tuple[float, float]) -> tuple[float, float]:
+    """(the busiest rank's work, the sum of squares of every rank's) in layers: each rank's
+    layers, plus ``ends`` on the first and the last rank (the embedding's and the output layer's
+    work). The second orders splits of one busiest rank by how evenly the others share."""
+    per_rank = [float(sum(split[rank::pp])) for rank in range(pp)]
+    per_rank[0] += ends[0]
+    per_rank[-1] += ends[1]
+    return max(per_rank), sum(load * load for load in per_rank)
 
 
-def uneven_splits(layers: int, pp: int, vpp: int = 1, min_layers: int = 1) -> list[LayerSplitFlags]:
-    """Megatron's flags that split ``layers`` over ``pp`` ranks of ``vpp`` chunks when an even split
-    cannot (``layers`` not a multiple of ``pp * vpp``): the best of each family (the embedding and
-    loss counted as layers; chosen first/last-rank counts), least loaded busiest rank first, every
-    virtual stage with at least ``min_layers``. Empty when the even split works or none does."""
-    if pp < 2 or layers % (pp * vpp) == 0:
-        return []
+@functools.lru_cache(maxsize=4096)
+def uneven_splits(
+    layers: int, pp: int, vpp: int = 1, min_layers: int = 1, ends: tuple[float, float] = (1.0, 1.0)
+) -> tuple[LayerSplitFlags, ...]:
+    """Megatron's flags that split ``layers`` unevenly over ``pp`` ranks of ``vpp`` chunks: the
+    best of each family (the embedding and loss counted as layers; chosen first/last-rank counts),
+    scored by the busiest rank's work with ``ends`` added on the first and the last rank (in
+    layers; the default, one each, is what Megatron's ``--account-for-*`` flags assume), every
+    virtual stage with at least ``min_layers``; the least loaded first. Where an even split runs
+    (``layers`` a multiple of ``pp * vpp``), only those that beat it (a heavy output layer: the
+    last rank takes fewer layers). Empty when none does."""
+    if pp < 2:
+        return ()
+    stages = pp * vpp
+    bar = _rank_load([layers // stages] * stages, pp, ends)[0] if layers % stages == 0 else math.inf
     families: list[list[LayerSplitFlags]] = [
         [
             LayerSplitFlags(embedding_in_split=embedding, loss_in_split=loss)
             for embedding, loss in ((True, True), (False, True), (True, False))
         ],
     ]
-    average = layers // pp
-    counts = [None] + [x for x in range(max(vpp, average - 2 * vpp), average + 2 * vpp + 1) if x % vpp == 0]
+    counts = [None] + [x for x in range(vpp, layers // pp + 2 * vpp + 1, vpp)]
     families.append(
         [
             LayerSplitFlags(first=first, last=last)
@@ -252,9 +262,9 @@ def uneven_splits(layers: int, pp: int, vpp: int = 1, min_layers: int = 1) -> li
             if (first, last) != (None, None)
         ]
     )
-    found: list[tuple[int, int, LayerSplitFlags, list[int]]] = []
+    found: list[tuple[tuple[float, float], int, LayerSplitFlags, list[int]]] = []
     for family in families:
-        best: tuple[int, int, LayerSplitFlags, list[int]] | None = None
+        best: tuple[tuple[float, float], int, LayerSplitFlags, list[int]] | None = None
         for order, flags in enumerate(family):
             try:
                 split = megatron_stage_layers(layers, pp, vpp, flags)
@@ -262,11 +272,11 @@ def uneven_splits(layers: int, pp: int, vpp: int = 1, min_layers: int = 1) -> li
                 continue
             if min(split) < min_layers:
                 continue
-            if best is None or (_rank_load(split, pp), order) < best[:2]:
-                best = (_rank_load(split, pp), order, flags, split)
-        if best is not None and all(best[3] != other[3] for other in found):  # one per distinct split
-            found.append(best)
-    return [flags for _, _, flags, _ in sorted(found, key=lambda item: item[0])]
+            if best is None or (_rank_load(split, pp, ends), order) < best[:2]:
+                best = (_rank_load(split, pp, ends), order, flags, split)
+        if best is not None and best[0][0] < bar and all(best[3] != other[3] for other in found):
+            found.append(best)  # one per distinct split
+    return tuple(flags for _, _, flags, _ in sorted(found, key=lambda item: item[0]))
 
 
 def split_flags(flags: LayerSplitFlags) -> list[str]:
