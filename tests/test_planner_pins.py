@@ -311,10 +311,12 @@ def test_from_args_refuses_uneven_stages_megatron_core_refuses(capsys: pytest.Ca
 def test_the_search_splits_layers_unevenly_as_megatron_can_and_emits_the_flags(
     capsys: pytest.CaptureFixture,
 ) -> None:
-    """32 layers on 7 GPUs: no even split, but Megatron's --decoder-first/last-pipeline-num-layers
-    make PP7 possible; the search predicts it with such a split (the output layer's rank lighter),
-    --emit flags writes the flags, and they read back through --from-args to the same prediction."""
+    """32 layers on PP7 (a pin refused before: no even split): Megatron's
+    --decoder-first/last-pipeline-num-layers make it possible; the search predicts it with such a
+    split (the output layer's rank lighter), --emit flags writes the flags, and they read back
+    through --from-args to the same prediction."""
     base = ["--model", "llama2-7b", "--gpus", "7", "--seq-length", "4096", "--schedules", "1f1b"]
+    base += ["--global-batch-size", "28", "--pipeline-model-parallel-size", "7"]
     code, top, err = run_cli(capsys, ["plan", *base, "--json", "--top", "1"])
     assert code == 0, err
     best = json.loads(top)[0]
