@@ -3,8 +3,9 @@
 1. Layouts: every TP x CP x PP x DP factorisation of the GPU count that Megatron accepts for the
    model, sequence and batch (``layout.layout_problem``), and whose weights, gradients and
    optimizer state fit at all.
-2. Pipeline choices per layout: each schedule with its chunk counts (even layer splits, or where
-   the layers do not divide, Megatron's uneven ones: ``layer_split.uneven_splits``), slice
+2. Pipeline choices per layout: each schedule with its chunk counts (even layer splits, and
+   Megatron's uneven ones where the layers do not divide or where one beats the even split with
+   the output layer on the last rank: ``layer_split.uneven_splits``), slice
    counts for the sequence-sliced families (slices of at least ``MIN_SLICE`` tokens), micro-batch
    sizes (powers of two dividing a DP rank's share of the batch, unless pinned: grown from 1 until
    the memory bound no longer fits), and, only where the plain choice cannot fit, activation
