@@ -27,7 +27,7 @@ from typing import Any
 
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule
-from ..schedule.layer_split import LayerSplitFlags, SplitError, megatron_stage_layers
+from ..schedule.layer_split import SplitError, megatron_args_split
 from ..schedule.lowering import lower
 from ..schedule.models import ModelShape, megatron_shape
 from ..schedule.offload import OffloadError, OffloadPolicy, add_offload_args, apply_offload, parse_chunks
@@ -478,14 +478,12 @@ class Installed:
         where set."""
         if self.layers is not None:
             return self.layers
-        args = self.args
-        flags = LayerSplitFlags.from_args(args)
-        pp = getattr(args, "pipeline_model_parallel_size", None)
-        if flags.even or not getattr(args, "num_layers", None) or not pp:
+        pp = getattr(self.args, "pipeline_model_parallel_size", None)
+        if not pp:
             return None
-        chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        chunks = getattr(self.args, "virtual_pipeline_model_parallel_size", None) or 1
         try:
-            return tuple(megatron_stage_layers(args.num_layers, pp, chunks, flags))
+            return megatron_args_split(self.args, pp, chunks)
         except SplitError:
             return None
 

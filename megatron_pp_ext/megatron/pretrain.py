@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..schedule.ir import Placement
-from ..schedule.layer_split import LayerSplitFlags, SplitError, megatron_stage_layers
+from ..schedule.layer_split import SplitError, check_layout_placement, megatron_args_split
 from .hook import (
     Installed,
     OptionError,
@@ -188,15 +188,14 @@ def check_args(args: Any) -> None:
             f"(or drop --pp-chunks)",
             "--num-virtual-stages-per-pipeline-rank",
         )
-    _check_layer_split(args, pp, chunks)
     placement = schedule.placement
+    try:
+        megatron_args_split(args, pp, chunks)  # megatron-core checks it only when it builds the model
+        layout = getattr(args, "pipeline_model_parallel_layout", None) or None
+        check_layout_placement(layout, schedule.name, placement)
+    except SplitError as error:
+        raise OptionError(str(error), error.flag) from None
     last_rank = placement.rank_of(placement.num_stages - 1)
-    if last_rank != pp - 1 and getattr(args, "pipeline_model_parallel_layout", None):
-        raise OptionError(
-            f"{schedule.name} places the last stage on rank {last_rank}; a custom layout assumes "
-            "Megatron's round-robin placement: use --decoder-first/last-pipeline-num-layers instead",
-            "--pipeline-model-parallel-layout",
-        )
     if last_rank != pp - 1 and not args.untie_embeddings_and_output_weights:
         raise OptionError(
             f"{schedule.name} puts the output layer on rank {last_rank}, next to the embedding, "
@@ -220,19 +219,6 @@ def check_args(args: Any) -> None:
         from ..schedule.models import megatron_shape
 
         options.slice_lengths(schedule, args.seq_length, megatron_shape(args))
-
-
-def _check_layer_split(args: Any, pp: int, chunks: int) -> None:
-    """Megatron's layer-split flags against ``--num-layers`` before any process starts:
-    megatron-core checks a layout's layer count, or an end-rank count its chunks cannot share, only
-    when it builds the model (``schedule/layer_split.py`` checks as it does)."""
-    flags = LayerSplitFlags.from_args(args)
-    if flags.even or not getattr(args, "num_layers", None):
-        return
-    try:
-        megatron_stage_layers(args.num_layers, pp, chunks, flags)
-    except SplitError as error:
-        raise OptionError(str(error), error.flag) from None
 
 
 def _check_vocab_args(args: Any) -> None:

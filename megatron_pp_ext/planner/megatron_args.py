@@ -23,6 +23,7 @@ from ..schedule.layer_split import (
     LAYOUT_FLAG,
     LayerSplitFlags,
     SplitError,
+    check_layout_placement,
     layout_chunks,
     megatron_stage_layers,
     split_flags,
@@ -288,19 +289,15 @@ def _chunks(args: argparse.Namespace, layers: int, pp: int) -> int | None:
 
 
 def _check_layout_placement(args: argparse.Namespace, schedule: str, pp: int, vpp: int) -> None:
-    """pretrain_gpt.py's refusal (megatron/pretrain.py ``check_args``): megatron-core places a
-    layout's stages round-robin by the real pipeline rank, so a schedule that puts the last stage
-    elsewhere (a V) would build the wrong layers there."""
+    """pretrain_gpt.py's refusal (megatron/pretrain.py ``check_args``) of a layout under a V."""
     spec = SCHEDULES.get(schedule)
-    if args.pipeline_model_parallel_layout is None or spec is None or pp < 2:
+    if spec is None or pp < 2:
         return
-    last = Placement(pp, pp * vpp, spec.placement).rank_of(pp * vpp - 1)
-    if last != pp - 1:
-        raise ArgsError(
-            LAYOUT_FLAG,
-            f"{schedule} places the last stage on rank {last}; a custom layout assumes Megatron's "
-            "round-robin placement: use --decoder-first/last-pipeline-num-layers instead",
-        )
+    try:
+        placement = Placement(pp, pp * vpp, spec.placement)
+        check_layout_placement(args.pipeline_model_parallel_layout, schedule, placement)
+    except SplitError as error:
+        raise ArgsError(error.flag, str(error)) from None
 
 
 def _split(args: argparse.Namespace, layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:

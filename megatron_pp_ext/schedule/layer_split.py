@@ -26,6 +26,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from .ir import Placement
+
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"
 LAST_FLAG = "--decoder-last-pipeline-num-layers"
 EMBEDDING_FLAG = "--account-for-embedding-in-pipeline-split"
@@ -128,6 +130,32 @@ def megatron_stage_layers(
     if min(split) < 0:
         raise SplitError(flag, f"{what}: the end virtual stage has no decoder layer to give up")
     return split
+
+
+def megatron_args_split(args: object, pp: int, chunks: int) -> tuple[int, ...] | None:
+    """The layers of each virtual stage under the split flags of a parsed Megatron-LM namespace
+    (``args.num_layers`` over ``pp`` ranks of ``chunks``); None when it gives none (megatron-core's
+    even split) or no layer count. Raises :class:`SplitError` where megatron-core refuses."""
+    flags = LayerSplitFlags.from_args(args)
+    layers = getattr(args, "num_layers", None)
+    if flags.even or not layers:
+        return None
+    return tuple(megatron_stage_layers(layers, pp, chunks, flags))
+
+
+def check_layout_placement(layout: str | None, schedule: str, placement: Placement) -> None:
+    """A layout under a schedule whose last stage is not on the last rank (a V): megatron-core
+    places a layout's stages round-robin by the real pipeline rank, so it would build the wrong
+    layers there. Raises :class:`SplitError` naming ``--pipeline-model-parallel-layout``."""
+    if layout is None:
+        return
+    last = placement.rank_of(placement.num_stages - 1)
+    if last != placement.pp - 1:
+        raise SplitError(
+            LAYOUT_FLAG,
+            f"{schedule} places the last stage on rank {last}; a custom layout assumes Megatron's "
+            "round-robin placement: use --decoder-first/last-pipeline-num-layers instead",
+        )
 
 
 def _end_rank_layers(flags: LayerSplitFlags, layers: int, pp: int, vpp: int) -> list[int]:

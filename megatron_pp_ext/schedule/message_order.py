@@ -192,11 +192,8 @@ def _consumed_key(op: Op) -> tuple[Any, ...]:
 
 def _consumes(op: Op, layout: Layout, rank: int) -> list[tuple[Any, ...]]:
     """The movable ops a fixed op waits for: a compute's input message, a collective's result."""
-    found: list[tuple[Any, ...]] = []
-    if op.kind == OpKind.F:
-        found.append(("F", op.stage, op.microbatch, op.slice))
-    elif op.kind in (OpKind.B, OpKind.BW):
-        found.append(("B", op.stage, op.microbatch, op.slice))
+    message = _input_key(op)
+    found: list[tuple[Any, ...]] = [] if message is None else [message]
     if op.is_compute or op.kind in (OpKind.S, OpKind.T):
         needed = layout.waits_for(op, rank)
         if needed is not None:

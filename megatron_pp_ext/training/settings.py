@@ -247,7 +247,7 @@ def stage_split(
     if flags.even or spec is None:  # an unknown schedule: check() names --pp-schedule
         return None
     chunks = spec.default_vpp if options.chunks is None else options.chunks
-    if flags.layout is not None and not _takes(spec, chunks):
+    if flags.layout is not None and not spec.takes_vpp(chunks):
         raise UsageError(LAYOUT_FLAG, _layout_schedule_mismatch(spec, chunks, pp))
     try:
         split = tuple(megatron_stage_layers(num_layers, pp, chunks, flags))
@@ -264,19 +264,12 @@ def stage_split(
     return split
 
 
-def _takes(spec: GeneratorSpec, chunks: int) -> bool:
-    """Whether the schedule of ``spec`` runs ``chunks`` model chunks per rank."""
-    return chunks >= max(1, spec.min_vpp) and (spec.allowed_vpp is None or chunks in spec.allowed_vpp)
-
-
 def _layout_schedule_mismatch(spec: GeneratorSpec, chunks: int, pp: int) -> str:
     """Why a layout's chunks per rank do not fit the schedule, and what to change."""
-    runs = (
-        f"{max(1, spec.min_vpp)} or more"
-        if spec.allowed_vpp is None
-        else " or ".join(map(str, spec.allowed_vpp))
+    said = (
+        f"gives {chunks} model chunk(s) per pipeline rank, but --pp-schedule {spec.name} runs "
+        f"{spec.vpp_choices()}"
     )
-    said = f"gives {chunks} model chunk(s) per pipeline rank, but --pp-schedule {spec.name} runs {runs}"
     if chunks > 1:
         return f"{said}: add --pp-schedule interleaved-1f1b (or another schedule of {chunks} chunks per rank)"
     return f"{said}: spell out {spec.default_vpp * pp} stages, or use a schedule of one chunk per rank (1f1b)"

@@ -36,6 +36,16 @@ class GeneratorSpec:
     min_vpp: int = 1
     min_slices: Callable[[int, int], int] = lambda pp, vpp: 1
 
+    def takes_vpp(self, vpp: int) -> bool:
+        """Whether the schedule runs ``vpp`` model chunks per rank."""
+        return vpp >= max(1, self.min_vpp) and (self.allowed_vpp is None or vpp in self.allowed_vpp)
+
+    def vpp_choices(self) -> str:
+        """The chunks per rank it runs, in words: "1", "2", "2 or more"."""
+        if self.allowed_vpp is None:
+            return f"{max(1, self.min_vpp)} or more"
+        return " or ".join(map(str, self.allowed_vpp))
+
 
 SCHEDULES: dict[str, GeneratorSpec] = {}
 
@@ -154,13 +164,8 @@ def generate(
     if pp < 1:
         raise RequestError(f"pipeline size must be at least 1, got {pp}", flag="--pp")
     vpp = spec.default_vpp if vpp is None else vpp
-    if vpp < max(1, spec.min_vpp) or (spec.allowed_vpp is not None and vpp not in spec.allowed_vpp):
-        allowed = (
-            f"any value >= {max(1, spec.min_vpp)}"
-            if spec.allowed_vpp is None
-            else " or ".join(map(str, spec.allowed_vpp))
-        )
-        raise RequestError(f"{name} takes --vpp {allowed}, got {vpp}", flag="--vpp")
+    if not spec.takes_vpp(vpp):
+        raise RequestError(f"{name} takes --vpp {spec.vpp_choices()}, got {vpp}", flag="--vpp")
     if slices < 1:
         raise RequestError(f"--slices must be at least 1, got {slices}", flag="--slices")
     needed_slices = spec.min_slices(pp, vpp)
