@@ -50,8 +50,10 @@ that ran serially, or a simulator that ignored a dependency, misses by tens of p
 NCCL's rules. Under ``--pp-emulate-nccl`` a send completes only once its receive is posted and a
 rank completes its communication in launch order (``runtime/launch_order.py``): a send waits for
 its receiver to reach the receive's place, and everything launched after it waits too. The
-simulator's sends never block, so where the step's message order (``schedule/message_order.py``)
-makes a rank wait for a late receiver, the measured step is longer than predicted (docs/benchmarks.md).
+prediction then replays the same lowered ops under those rules with the host computing
+(``schedule/completion.py``, ``IN_ORDER_SYNC``); without the flag, with sends that never wait.
+Each job's messages are ordered by a replay at its emulated costs (no skew, no latency), as the
+runtime orders them at its model's FLOP costs (``schedule/run_costs.py``).
 
 A step's time is the slowest rank's, each from its exit of a barrier to the end of its step
 (flush included), as the bench times the real runtime.
@@ -68,12 +70,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..schedule.completion import FREE, IN_ORDER_SYNC
 from ..schedule.costs import UniformCosts
 from ..schedule.generators import SCHEDULES, RequestError, generate
 from ..schedule.generators.request import Costs
 from ..schedule.ir import COMPUTE_KINDS, Op, OpKind, Schedule, format_op
 from ..schedule.lowering import lower
-from ..schedule.simulate import simulate
+from ..schedule.replay import SimResult, replay
 from ..schedule.validate import validate
 from .job import DEFAULT_SLICES, is_sliced_family
 
@@ -247,14 +250,17 @@ def plan_job(
     except RequestError as error:
         job.skip = f"{error.flag}: {error}"
         return job
+    # the messages in the order a replay at these costs sends them, as the runtime orders them
+    # at its model's FLOP costs (schedule/run_costs.py): without skew or latency, which no rank
+    # knows alike
+    lowered = lower(schedule, emulated_costs(schedule, dataclasses.replace(costs, skew=None)))
     if emulate_nccl:
         from ..schedule.nccl_check import check_nccl
 
-        hang = check_nccl(schedule, strict=True, warmed=True)
+        hang = check_nccl(lowered, strict=True, warmed=True)
         if hang is not None:
             job.skip = f"would hang under NCCL: {hang.message()}"
             return job
-    lowered = lower(schedule)
     validate(lowered)
     job.schedule, job.lowered = schedule, lowered
     return job
@@ -564,19 +570,26 @@ def results_of(settings: EmulateSettings, measured: dict[str, Any]) -> dict[str,
     latencies = measured["latency_per_pair_s"]
     latency = statistics.mean(latencies) if latencies else 0.0
     c = settings.costs
+    completion = IN_ORDER_SYNC if settings.emulate_nccl else FREE
+
+    def predict(job: EmulateJob, host: tuple[float, ...] = ()) -> SimResult:
+        assert job.schedule is not None and job.lowered is not None
+        costs = emulated_costs(job.schedule, c, latency, host)
+        return replay(job.lowered, costs, job.schedule, completion=completion)
+
     rows = []
     for job, row in zip(settings.jobs, measured["rows"]):
         out: dict[str, Any] = {"schedule": job.name, "skip": row.get("skip")}
         if job.schedule is not None:
             out.update(vpp=job.schedule.vpp, slices=job.schedule.slices)
-            predicted = simulate(job.schedule, emulated_costs(job.schedule, c, latency))
+            predicted = predict(job)
             out["predicted_s"] = predicted.makespan
             out["predicted_bubble_rate"] = predicted.bubble_rate
         if out["skip"] is None:
             steps = row["steps_s"]
             measured_s = statistics.median(steps)
             host = tuple(row["host_per_op_s"])
-            with_host = simulate(job.schedule, emulated_costs(job.schedule, c, latency, host)).makespan
+            with_host = predict(job, host).makespan
             out.update(
                 measured_s=measured_s,
                 min_s=min(steps),
@@ -602,6 +615,7 @@ def results_of(settings: EmulateSettings, measured: dict[str, Any]) -> dict[str,
         "message_shape": list(settings.message_shape),
         "backend": measured["backend"],
         "emulate_nccl": settings.emulate_nccl,
+        "completion": completion,
         "latency_s": latency,
         "latency_per_pair_s": latencies,
         "rows": rows,

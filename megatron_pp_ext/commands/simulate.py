@@ -23,6 +23,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from ..schedule.completion import COMPLETIONS, FREE
 from ..schedule.costs import CostModel, UniformCosts
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule, load
@@ -68,6 +69,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--costs", default="1,1,1", help="F,B,W durations per (stage, microbatch)")
     parser.add_argument("--comm", type=float, default=0.0, help="p2p latency (same unit as --costs)")
+    parser.add_argument(
+        "--comm-completion",
+        choices=COMPLETIONS,
+        default=FREE,
+        help="when a message completes: free (a send never waits), in-order (NCCL on a GPU: each "
+        "rank's messages one after another in launch order, a send together with its receive), "
+        "in-order-sync (the same with the host computing: gloo under --pp-emulate-nccl)",
+    )
     parser.add_argument(
         "--weight-fraction",
         type=float,
@@ -195,6 +204,7 @@ def iterations_of(
             optimizer_time=args.optimizer_time,
             reduce_time=args.norm_reduce_time,
             chain=args.pp_post_validation_chain,
+            completion=args.comm_completion,
         )
         for name in names
     }
@@ -468,6 +478,7 @@ def result_dict(args: argparse.Namespace, result: SimResult) -> dict[str, Any]:
         data["memory_parts_bytes"] = [p.to_dict() for p in parts]
     data["memory_max_over_min"] = memory_balance(args, result)
     data["nccl"] = nccl_summary(result.schedule)
+    data["comm_completion"] = getattr(args, "comm_completion", FREE)
     if result.without_vocab is not None:
         data["without_vocab_parallel"] = result_dict(args, result.without_vocab)
     runs = getattr(result, "iterations", None)
@@ -578,15 +589,17 @@ def finish(
     args: argparse.Namespace, schedule: Schedule, model: CostModel, plan: Schedule | None = None
 ) -> SimResult:
     """Attention redistribution (paired on ``plan``'s slots) and offload as the flags ask, then
-    the replay."""
+    the replay (under in-order completion, the makespan with sends that never wait beside it)."""
     if args.pp_attn_redistribution:
         model = redistributed(args, schedule, model, plan)
-    if args.pp_offload == "none":
-        return with_iterations(args, simulate(schedule, model), schedule, model)
-    check_offload_args(args)
-    copied = offloaded(args, schedule, model)
-    result = with_iterations(args, simulate(copied, model), copied, model)
-    result.baseline = simulate(schedule, model)
+    if args.pp_offload != "none":
+        check_offload_args(args)
+    run = schedule if args.pp_offload == "none" else offloaded(args, schedule, model)
+    result = with_iterations(args, simulate(run, model, completion=args.comm_completion), run, model)
+    if run is not schedule:
+        result.baseline = simulate(schedule, model, completion=args.comm_completion)
+    if args.comm_completion != FREE:
+        run.meta["makespan_free_completion"] = simulate(run, model).makespan
     return result
 
 
@@ -607,8 +620,13 @@ def redistributed(
         raise UsageError("--pp-attn-redistribution", f"CAP must be between 0 and 1, got {cap}")
     plan = plan or schedule
     schedule.meta["attn_redistribution"] = cap
-    schedule.meta["bubble_without_redistribution"] = simulate(schedule, model).bubble_rate
-    schedule.meta["bubble_whole_slices"] = simulate(schedule, planned_costs(plan, model, cap)).bubble_rate
+    completion = args.comm_completion
+    schedule.meta["bubble_without_redistribution"] = simulate(
+        schedule, model, completion=completion
+    ).bubble_rate
+    schedule.meta["bubble_whole_slices"] = simulate(
+        schedule, planned_costs(plan, model, cap), completion=completion
+    ).bubble_rate
     return redistribute(plan, model, cap)
 
 
@@ -685,6 +703,12 @@ def run(args: argparse.Namespace) -> int:
         print(iterations_summary(result.iterations))  # type: ignore[attr-defined]
     print(nccl_line(nccl_summary(result.schedule)))
     meta = result.schedule.meta
+    if "makespan_free_completion" in meta:
+        free = meta["makespan_free_completion"]
+        print(
+            f"messages complete {args.comm_completion}: makespan {result.makespan:.4g}, "
+            f"{result.makespan / free - 1:+.1%} over sends that never wait ({free:.4g})"
+        )
     if "bubble_without_redistribution" in meta:
         print(
             f"attention redistribution (cap {meta['attn_redistribution']:g}): bubble "

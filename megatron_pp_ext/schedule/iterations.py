@@ -64,6 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .completion import FREE
 from .costs import CostModel, UniformCosts
 from .gate import gate_at_start, validation_gate
 from .ir import Schedule
@@ -217,13 +218,14 @@ def simulate_iterations(
     hop_time: float | None = None,
     chain: str | Sequence[int] = "auto",
     gate_at_start: bool | None = None,
+    completion: str = FREE,
 ) -> IterationsResult:
     """Replay ``iterations`` iterations of ``schedule`` back to back with ``optimizer``'s step
     between them. ``hop_time`` (one p2p hop of the partial state) defaults to the cost model's
     p2p latency when it has one (``comm``), else 0. ``chain``: see :func:`chain_order`; ``auto``
     is fixed from the first iteration, as the runtime fixes it. ``gate_at_start``
     (post-validation): every gate at position 0; default as the runtime decides
-    (:func:`gate_positions`)."""
+    (:func:`gate_positions`). ``completion``: when messages complete (``completion.py``)."""
     if iterations < 1:
         raise ValueError(f"iterations must be at least 1, got {iterations}")
     if optimizer not in OPTIMIZERS:
@@ -247,7 +249,7 @@ def simulate_iterations(
         if positions is not None:  # the op at the gate waits for the previous global check too
             for rank, (at, time) in enumerate(zip(positions, gate)):
                 holds[(rank, at)] = max(time, holds.get((rank, at), 0.0))
-        result = simulate(schedule, costs, holds)
+        result = simulate(schedule, costs, holds, completion)
         ends = _rank_ends(result, start, gate if positions is not None else None)
         order = order or chain_order(ends, chain)
         step, next_start = optimizer_steps(ends, optimizer, optimizer_time, reduce_time, hop_time, order)

@@ -7,7 +7,8 @@ Each rank runs its ops in order. A compute op starts when the rank is free and i
 arrived: a RECV only posts the receive (``lowering`` may post it early, see
 ``message_order.py``); the op that consumes the message waits for the matching SEND's data (the
 SEND is issued when the producing op ends and the message takes the cost model's latency);
-sends never block. Memory: F adds the op's
+sends never block, unless the replay follows NCCL's in-order completion (``completion.py``: a
+message completes with both of its ends, one at a time per rank, in launch order). Memory: F adds the op's
 activation when it starts, B frees all but the weight-gradient share (at its end), W frees that
 share, BW frees everything.
 
@@ -43,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .completion import COMPLETIONS, FREE, IN_ORDER_SYNC, Completed, InOrderQueues
 from .costs import CostModel, UniformCosts
 from .ir import BACKWARD_KINDS, Op, OpKind, Schedule, format_op
 from .validate import ScheduleError
@@ -237,9 +239,12 @@ def replay(
     costs: CostModel | None = None,
     schedule: Schedule | None = None,
     holds: Mapping[tuple[int, int], float] | None = None,
+    completion: str = FREE,
 ) -> SimResult:
     """Replay ``lowered`` as it stands (no lowering pass runs: ``message_order`` replays the
-    schedule it is ordering). ``schedule``: what the result reports (default ``lowered``)."""
+    schedule it is ordering). ``schedule``: what the result reports (default ``lowered``).
+    ``completion``: ``FREE`` (sends never wait), or NCCL's in-order completion (``completion.py``)
+    with the host ahead of the GPU (``IN_ORDER``) or the host computing (``IN_ORDER_SYNC``)."""
     schedule = lowered if schedule is None else schedule
     holds = holds or {}
     if costs is None:
@@ -264,6 +269,29 @@ def replay(
     pointers = [0] * lowered.pp
     last_compute_end = [0.0] * lowered.pp
     posted: list[set[tuple[str, int, int, int]]] = [set() for _ in range(lowered.pp)]  # RECVs not consumed
+    queues = (
+        InOrderQueues(
+            lowered.pp,
+            message_key,
+            costs.comm_latency,
+            lambda rank, op, time: collectives.issue(rank, op, time) and None,
+            lambda op: collectives.done.get((op.kind, *op.unit)),
+        )
+        if completion != FREE
+        else None
+    )
+    if completion not in COMPLETIONS:
+        raise ValueError(f"completion {completion!r} is not one of {', '.join(COMPLETIONS)}")
+    host = [0.0] * lowered.pp  # where each rank's host is: it waits only for messages and holds
+
+    def completed(finished: list[Completed]) -> None:
+        """Messages and collectives the launch queues completed: their consumers may start."""
+        for item, end in finished:
+            if item.op.is_collective:
+                wake(("COLLECTIVE", item.op.kind, *item.op.unit))
+            elif item.op.kind in (OpKind.RECV_F, OpKind.RECV_B):
+                arrival[message_key(item.op)] = end
+                wake(message_key(item.op))
 
     def inbound(rank: int, op: Op) -> tuple[str, int, int, int] | None:
         """The posted message a compute op consumes (its input, or its output gradient)."""
@@ -287,9 +315,15 @@ def replay(
         now = clock[rank]
         if op.kind in (OpKind.RECV_F, OpKind.RECV_B):
             posted[rank].add(message_key(op))  # the consumer waits for the data
+            if queues is not None:
+                completed(queues.launch(rank, op, now if completion == IN_ORDER_SYNC else host[rank]))
             return True
         if op.kind in (OpKind.SEND_F, OpKind.SEND_B):
-            arrival[message_key(op)] = last_compute_end[rank] + costs.comm_latency(op)
+            if queues is not None:
+                completed(queues.launch(rank, op, last_compute_end[rank]))
+            else:
+                arrival[message_key(op)] = last_compute_end[rank] + costs.comm_latency(op)
+                wake(message_key(op))
             return True
         if op.kind == OpKind.OFFLOAD:
             size = costs.offload_bytes(op)
@@ -308,6 +342,9 @@ def replay(
             return False
         if op.is_collective:
             clock[rank] = max(now, ready)  # a lookup waits for its token ids
+            if queues is not None:
+                completed(queues.launch(rank, op, clock[rank]))
+                return True
             for done in collectives.issue(rank, op, clock[rank]):
                 wake(("COLLECTIVE", done.kind, *done.unit))
             return True
@@ -317,6 +354,7 @@ def replay(
                 return False
             posted[rank].discard(message)
             ready = max(ready, arrival[message])
+            host[rank] = max(host[rank], arrival[message])  # the host waits for the message
         duration = costs.duration(op)
         start = max(now, ready)
         if op.kind in BACKWARD_KINDS:
@@ -367,16 +405,17 @@ def replay(
         ops = lowered.ranks[rank]
         while pointers[rank] < len(ops):
             op = ops[pointers[rank]]
-            clock[rank] = max(clock[rank], holds.get((rank, pointers[rank]), 0.0))
+            hold = holds.get((rank, pointers[rank]), 0.0)
+            clock[rank], host[rank] = max(clock[rank], hold), max(host[rank], hold)
             if not step(rank, op):
                 waiting[wait_key(rank, op)].append(rank)
                 break
-            if op.kind in (OpKind.SEND_F, OpKind.SEND_B):
-                wake(message_key(op))
             pointers[rank] += 1
     stuck = [r for r in range(lowered.pp) if pointers[r] < len(lowered.ranks[r])]
     if stuck:
         detail = "; ".join(f"rank {r} waits at {_waiting(lowered.ranks[r], pointers[r])}" for r in stuck)
+        if queues is not None:
+            detail += "; under in-order completion the launch queues wait at " + ", ".join(queues.stuck())
         raise ScheduleError(f"deadlock in simulation: {detail}")
     makespan = max((e.end for e in events + collectives.events), default=0.0)
     peaks, curves = _memory(changes)

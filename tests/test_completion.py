@@ -1,0 +1,118 @@
+"""The replay under NCCL's in-order completion (schedule/completion.py): hand-computed times, the
+order of the three models, and a message order made at the run's costs costing nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_pp_ext.schedule.completion import FREE, IN_ORDER, IN_ORDER_SYNC
+from megatron_pp_ext.schedule.costs import UniformCosts
+from megatron_pp_ext.schedule.generators import SCHEDULES, generate
+from megatron_pp_ext.schedule.ir import Schedule, format_op
+from megatron_pp_ext.schedule.lowering import insert_offload, insert_p2p, lower
+from megatron_pp_ext.schedule.replay import replay
+from megatron_pp_ext.schedule.validate import ScheduleError, validate
+from megatron_pp_ext.schedule.vocab import add_vocab_passes, default_costs
+
+# Rank 0 sends two forwards, then receives two gradients; rank 1 posts both receives first.
+TWO_MESSAGES_IN_FLIGHT = """pp: 2
+microbatches: 2
+rank 0: F0:0 SEND_F0:0>1 F0:1 SEND_F0:1>1 RECV_B0:0<1 BW0:0 RECV_B0:1<1 BW0:1
+rank 1: RECV_F1:0<0 RECV_F1:1<0 F1:0 F1:1 BW1:0 SEND_B1:0>0 BW1:1 SEND_B1:1>0
+"""
+
+
+def starts(schedule: Schedule, costs: UniformCosts, completion: str) -> tuple[float, dict[str, float]]:
+    result = replay(schedule, costs, completion=completion)
+    return result.makespan, {format_op(event.op): event.start for event in result.events}
+
+
+def test_hand_computed_times_of_the_three_models() -> None:
+    """F = B = W = 1 (BW = 2), every message 2. Free: F0:1's message leaves at 2 and arrives at 4.
+    In order (a GPU): it waits on rank 0's queue until F0:0's completes at 3, so F1:1 starts at 5
+    and everything after it one unit later (14). With the host computing (gloo emulating NCCL),
+    rank 0 posts RECV_B0:1 only after BW0:0 ends at 12, so B1:1's gradient, sent at 10, completes
+    at 14 and BW0:1 ends at 16."""
+    schedule = Schedule.from_text(TWO_MESSAGES_IN_FLIGHT)
+    validate(schedule)
+    costs = UniformCosts(num_stages=2, comm=2.0)
+    free, free_starts = starts(schedule, costs, FREE)
+    gpu, gpu_starts = starts(schedule, costs, IN_ORDER)
+    sync, sync_starts = starts(schedule, costs, IN_ORDER_SYNC)
+    assert (free, gpu, sync) == (13.0, 14.0, 16.0)
+    assert (free_starts["F1:1"], gpu_starts["F1:1"], sync_starts["F1:1"]) == (4.0, 5.0, 5.0)
+    assert (gpu_starts["BW0:1"], sync_starts["BW0:1"]) == (12.0, 14.0)
+
+
+def test_an_order_that_hangs_in_order_is_a_deadlock_of_the_replay() -> None:
+    """Each rank's receive stands right before its consumer (``insert_p2p`` alone): rank 0 sends
+    F0:1 and then receives B0:0, rank 1 the other way round. Free, the replay runs it; in order
+    it names the launch queues' heads."""
+    text = "pp: 2\nmicrobatches: 2\nrank 0: F0:0 F0:1 BW0:0 BW0:1\nrank 1: F1:0 BW1:0 F1:1 BW1:1"
+    naive = insert_p2p(Schedule.from_text(text))
+    replay(naive, completion=FREE)
+    with pytest.raises(ScheduleError) as stuck:
+        replay(naive, completion=IN_ORDER)
+    assert "under in-order completion the launch queues wait at" in str(stuck.value), stuck.value
+    assert "SEND_F0:1>1" in str(stuck.value) and "SEND_B1:0>0" in str(stuck.value), stuck.value
+
+
+def test_an_unknown_completion_is_refused() -> None:
+    with pytest.raises(ValueError, match="not one of free, in-order, in-order-sync"):
+        replay(lower(generate("1f1b", 2, 2)), completion="eager")
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_in_order_costs_nothing_at_the_costs_the_order_was_made_at(pp: int) -> None:
+    """``message_order`` lists the messages in the order a replay at the run's costs sends
+    them, so on a GPU (host ahead) in-order completion adds no wait at those costs, for every
+    generator, with both vocabulary variants and with offload (latency 0). With latency, and with
+    the host computing, each model is at least as slow as the one before: free <= in order <=
+    in order with the host computing (times only grow with what they wait for)."""
+    slower = 0
+    for name, spec in SCHEDULES.items():
+        slices = max(1, spec.min_slices(pp, spec.default_vpp))
+        microbatches = max(pp, spec.min_microbatches(pp, spec.default_vpp, slices)) + 1
+        generated = generate(name, pp, microbatches, vpp=spec.default_vpp, slices=slices)
+        for variant in ("none", "vocab-1", "vocab-2"):
+            if variant == "none":
+                costs = UniformCosts(
+                    num_stages=generated.num_stages,
+                    num_slices=generated.slices,
+                    chunks_per_rank=generated.vpp,
+                    forward=1.0,
+                    backward=2.0,
+                    weight=1.0,
+                )
+                schedule = lower(generated, costs)
+            else:
+                with_vocab = add_vocab_passes(generated, variant)
+                costs = default_costs(with_vocab, variant)
+                schedule = lower(with_vocab, costs)
+            for run in (schedule, insert_offload(schedule, lookahead=0)):
+                free, gpu = (replay(run, costs, completion=c).makespan for c in (FREE, IN_ORDER))
+                assert gpu == pytest.approx(free, rel=1e-12), (name, variant)
+            costs.comm = 0.2
+            free, gpu, sync = (
+                replay(schedule, costs, completion=c).makespan for c in (FREE, IN_ORDER, IN_ORDER_SYNC)
+            )
+            assert free <= gpu + 1e-9 and gpu <= sync + 1e-9, (name, variant, free, gpu, sync)
+            slower += sync > free + 1e-9
+    assert slower > len(SCHEDULES), slower  # the models do differ once messages take time
+
+
+def test_simulate_reports_what_in_order_completion_costs(capsys) -> None:
+    """``simulate --comm-completion in-order`` replays under the rule and prints the makespan
+    beside the one with sends that never wait; JSON names the model."""
+    from megatron_pp_ext.cli import main
+
+    base = ["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "8"]
+    base += ["--costs", "1,2,1", "--comm", "0.1"]
+    assert main([*base, "--comm-completion", "in-order"]) == 0
+    out = capsys.readouterr().out
+    assert "messages complete in-order: makespan 40.4, +6.9% over sends that never wait (37.8)" in out, out
+    assert main([*base, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["comm_completion"], data["makespan"]) == ("free", pytest.approx(37.8))
