@@ -116,3 +116,21 @@ def test_simulate_reports_what_in_order_completion_costs(capsys) -> None:
     assert main([*base, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["comm_completion"], data["makespan"]) == ("free", pytest.approx(37.8))
+
+
+def test_plan_under_in_order_completion_is_never_faster(capsys) -> None:
+    """``plan --comm-completion in-order`` replays every candidate under the rule: the title
+    says so and the top plan's step is at least as long as with sends that never wait (measured
+    2026-11-26: 53.515 -> 53.565 s, the same 1F1B plan)."""
+    from megatron_pp_ext.cli import main
+
+    args = ["plan", "--model", "llama3-8b", "--seq-length", "8192", "--gpus", "8", "--top", "1"]
+    args += ["--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "2", "--json"]
+    steps = {}
+    for completion in (FREE, IN_ORDER):
+        assert main([*args, "--comm-completion", completion]) == 0
+        (best,) = json.loads(capsys.readouterr().out)
+        steps[completion] = best["step_time_s"]
+    assert steps[FREE] < steps[IN_ORDER] < steps[FREE] * 1.01, steps
+    assert main(args[:-1] + ["--comm-completion", IN_ORDER]) == 0
+    assert "; messages complete in-order" in capsys.readouterr().out.splitlines()[0]

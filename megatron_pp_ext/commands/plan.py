@@ -24,6 +24,7 @@ from ..planner.predict import predict_and_compare
 from ..planner.report import prediction, summary
 from ..planner.search import SearchResult, search
 from ..planner.step import Problem
+from ..schedule.completion import FREE, add_completion_argument
 from ..schedule.generators import SCHEDULES
 from .errors import UsageError
 
@@ -55,6 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top", type=int, default=10, help="plans to show")
     parser.add_argument("--schedules", help="comma-separated schedules to consider (default: all)")
     parser.add_argument("--max-simulations", type=int, default=300, help="simulations the search may run")
+    add_completion_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the plans as a JSON list, best first")
     parser.add_argument(
         "--emit", choices=("flags", "sbatch"), help="print the top plan as Megatron flags or sbatch"
@@ -121,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if pins.pinned:
             title += "; pinned: " + ", ".join(pins.pinned)
-        print(summary(result, title))
+        print(summary(result, title + completion_note(problem)))
     return 0
 
 
@@ -159,9 +161,15 @@ def problem_from_args(args: argparse.Namespace) -> tuple[Problem, Any]:
             profile=profile_from_args(args),
             global_batch=batch,
             gpus_per_node=min(gpus_per_node, args.gpus),
+            completion=args.comm_completion,
         ),
         spec,
     )
+
+
+def completion_note(problem: Problem) -> str:
+    """The title's note when messages are replayed under NCCL's in-order completion."""
+    return "" if problem.completion == FREE else f"; messages complete {problem.completion}"
 
 
 def predict_run(args: argparse.Namespace) -> int:
@@ -200,6 +208,7 @@ def predict_run(args: argparse.Namespace) -> int:
         profile_from_args(args, run.cluster),
         batch,
         gpus_per_node=per_node,
+        completion=args.comm_completion,
     )
     try:
         result = predict_and_compare(problem, pins, args.max_simulations, args.top)
@@ -223,7 +232,7 @@ def predict_run(args: argparse.Namespace) -> int:
             f"{run.shape.name} at {problem.seq_length} tokens on {gpus} x {problem.profile.name} "
             f"({per_node} per node), global batch {batch}"
         )
-        print(prediction(result, title, run.notes))
+        print(prediction(result, title + completion_note(problem), run.notes))
     return 0 if result.run.fits else 2
 
 

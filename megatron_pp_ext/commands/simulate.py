@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from ..schedule.completion import COMPLETIONS, FREE
+from ..schedule.completion import FREE, add_completion_argument
 from ..schedule.costs import CostModel, UniformCosts
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule, load
@@ -69,14 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--costs", default="1,1,1", help="F,B,W durations per (stage, microbatch)")
     parser.add_argument("--comm", type=float, default=0.0, help="p2p latency (same unit as --costs)")
-    parser.add_argument(
-        "--comm-completion",
-        choices=COMPLETIONS,
-        default=FREE,
-        help="when a message completes: free (a send never waits), in-order (NCCL on a GPU: each "
-        "rank's messages one after another in launch order, a send together with its receive), "
-        "in-order-sync (the same with the host computing: gloo under --pp-emulate-nccl)",
-    )
+    add_completion_argument(parser)
     parser.add_argument(
         "--weight-fraction",
         type=float,

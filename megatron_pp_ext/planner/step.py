@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from ..schedule.completion import FREE
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Op, OpKind, Placement, Schedule
 from ..schedule.layer_split import LayerSplitFlags
@@ -62,6 +63,10 @@ class Problem:
     profile: DeviceProfile
     global_batch: int
     gpus_per_node: int = 8
+    # when messages complete (schedule/completion.py): sends that never wait by default, as the
+    # published runs the cost model is checked against (Megatron's batched p2p) behave;
+    # IN_ORDER for NCCL's in-order completion of the plugin's unbatched messages
+    completion: str = FREE
 
 
 @dataclass(frozen=True)
@@ -456,7 +461,7 @@ def evaluate(
             raise Rejection("schedule: offload", str(error)) from None
         offloaded = run.meta.get("offloaded_units", 0)
     try:
-        result = simulate(run, costs)
+        result = simulate(run, costs, completion=problem.completion)
     except ScheduleError as error:
         raise Rejection("schedule: simulation", str(error)) from None
     return _assemble(problem, candidate, schedule, costs, result, m, layers, offloaded)

@@ -27,6 +27,7 @@ Pure Python, like the rest of the schedule core.
 
 from __future__ import annotations
 
+import argparse
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,3 +127,15 @@ class InOrderQueues:
     def stuck(self) -> list[str]:
         """What each rank's queue waits at, for a deadlock message."""
         return [f"rank {rank}'s {queue[0].op}" for rank, queue in enumerate(self.queues) if queue]
+
+
+def add_completion_argument(parser: argparse.ArgumentParser) -> None:
+    """``--comm-completion``, for the commands that replay (simulate, plan)."""
+    parser.add_argument(
+        "--comm-completion",
+        choices=COMPLETIONS,
+        default=FREE,
+        help="when a message completes: free (a send never waits; the default), in-order (NCCL on a "
+        "GPU: each rank's messages one after another in launch order, a send together with its "
+        "receive), in-order-sync (the same with the host computing: gloo under --pp-emulate-nccl)",
+    )
