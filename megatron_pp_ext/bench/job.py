@@ -11,7 +11,9 @@ from typing import Any
 
 from ..schedule.generators import SCHEDULES, RequestError, generate
 from ..schedule.ir import Schedule
+from ..schedule.lowering import lower
 from ..schedule.nccl_check import check_nccl
+from ..schedule.run_costs import RunShape, run_costs
 
 # Both sizes fit the 2-core CPU machine; "small" makes compute, not Python overhead, dominate.
 MODEL_SIZES: dict[str, dict[str, Any]] = {
@@ -155,14 +157,19 @@ def plan_row(
     name: str,
     pp: int,
     microbatches: int,
-    num_layers: int,
+    model_size: str,
     against: str = "torch",
     slices: int = DEFAULT_SLICES,
 ) -> Row:
     """Decide what runs for ``name``: our schedule if it is registered and fits the model (the
-    sequence-sliced family with ``slices`` slices); the baseline's counterpart if there is one
-    (torch's own constraints are checked on the ranks)."""
+    sequence-sliced family with ``slices`` slices), lowered with its messages in the order
+    ``train`` gives them (a replay at the model's FLOP costs, ``schedule/run_costs.py``); the
+    baseline's counterpart if there is one (torch's own constraints are checked on the ranks)."""
     from ..megatron.model import split_layers
+    from ..megatron.model_config import ModelConfig
+
+    config = ModelConfig(**MODEL_SIZES[model_size]["model"])
+    num_layers = config.num_layers
 
     row = Row(name=name)
     if against == "megatron":
@@ -193,6 +200,7 @@ def plan_row(
     except ValueError as error:
         row.ours_skip = f"{error} (--model-size)"
         return row
+    schedule = lower(schedule, run_costs(RunShape(config.shape(), config.seq_length), schedule))
     hang = check_nccl(schedule, strict=False, warmed=True)  # as the runtime runs it (docs/nccl.md)
     if hang is not None:
         row.ours_skip = f"would hang under NCCL: {hang.message()}"

@@ -141,9 +141,8 @@ def run(args: argparse.Namespace) -> int:
     if emulating(args):
         return run_emulated(args)
     names = ordered_names(selected(args.schedules, args.against), args.against)
-    num_layers = MODEL_SIZES[args.model_size]["model"]["num_layers"]
     rows = [
-        plan_row(name, args.pp, args.microbatches, num_layers, args.against, args.pp_seq_slices)
+        plan_row(name, args.pp, args.microbatches, args.model_size, args.against, args.pp_seq_slices)
         for name in names
     ]
     world = launcher_world()
