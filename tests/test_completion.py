@@ -12,6 +12,7 @@ from megatron_pp_ext.schedule.costs import UniformCosts
 from megatron_pp_ext.schedule.generators import SCHEDULES, generate
 from megatron_pp_ext.schedule.ir import Schedule, format_op
 from megatron_pp_ext.schedule.lowering import insert_offload, insert_p2p, lower
+from megatron_pp_ext.schedule.nccl_check import check_nccl
 from megatron_pp_ext.schedule.replay import replay
 from megatron_pp_ext.schedule.validate import ScheduleError, validate
 from megatron_pp_ext.schedule.vocab import add_vocab_passes, default_costs
@@ -57,6 +58,31 @@ def test_an_order_that_hangs_in_order_is_a_deadlock_of_the_replay() -> None:
         replay(naive, completion=IN_ORDER)
     assert "under in-order completion the launch queues wait at" in str(stuck.value), stuck.value
     assert "SEND_F0:1>1" in str(stuck.value) and "SEND_B1:0>0" in str(stuck.value), stuck.value
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_the_timed_replay_deadlocks_exactly_where_the_nccl_check_finds_a_hang(pp: int) -> None:
+    """Two implementations of rule 3 agree: ``nccl_check`` (untimed, strict, warmed) and this
+    replay. Every generator (m = p and 2p + 1, with and without vocabulary passes): the order
+    ``insert_p2p`` alone gives hangs in both, the step's message order completes in both."""
+    cases = 0
+    for name, spec in SCHEDULES.items():
+        slices = max(1, spec.min_slices(pp, spec.default_vpp))
+        least = max(pp, spec.min_microbatches(pp, spec.default_vpp, slices))
+        for microbatches in sorted({least, max(least, 2 * pp + 1)}):
+            generated = generate(name, pp, microbatches, vpp=spec.default_vpp, slices=slices)
+            for variant in ("none", "vocab-1"):
+                resolved = add_vocab_passes(generated, variant) if variant != "none" else generated
+                for order in (insert_p2p(resolved), lower(resolved)):
+                    hang = check_nccl(order, strict=True, warmed=True) is not None
+                    try:
+                        replay(order, completion=IN_ORDER)
+                        deadlock = False
+                    except ScheduleError:
+                        deadlock = True
+                    assert deadlock == hang, (name, microbatches, variant, hang)
+                    cases += 1
+    assert cases >= 4 * len(SCHEDULES)
 
 
 def test_an_unknown_completion_is_refused() -> None:
