@@ -652,6 +652,10 @@ def _row(
         row["no vocab: makespan"] = f"{plain.makespan:.4g}"
         row["no vocab: busy max/min"] = f"{plain.busy_max_over_min:.3f}"
         row["no vocab: mem max/min"] = f"{memory_balance(args, plain):.3f}"
+    free = result.schedule.meta.get("makespan_free_completion")
+    if free:
+        row["free sends: makespan"] = f"{free:.4g}"
+        row["in order"] = f"{result.makespan / free - 1:+.1%}"
     for name, run in (getattr(result, "iterations", None) or {}).items():
         short = {"sync": "sync", "post-validation": "post-val", "post-validation-wait": "post-val wait"}[name]
         row[f"{short}: per iter"] = f"{run.period:.4g}"
@@ -696,12 +700,6 @@ def run(args: argparse.Namespace) -> int:
         print(iterations_summary(result.iterations))  # type: ignore[attr-defined]
     print(nccl_line(nccl_summary(result.schedule)))
     meta = result.schedule.meta
-    if "makespan_free_completion" in meta:
-        free = meta["makespan_free_completion"]
-        print(
-            f"messages complete {args.comm_completion}: makespan {result.makespan:.4g}, "
-            f"{result.makespan / free - 1:+.1%} over sends that never wait ({free:.4g})"
-        )
     if "bubble_without_redistribution" in meta:
         print(
             f"attention redistribution (cap {meta['attn_redistribution']:g}): bubble "
