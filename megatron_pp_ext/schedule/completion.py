@@ -55,15 +55,15 @@ COMPLETIONS = (FREE, IN_ORDER, IN_ORDER_SYNC)
 class InOrderQueues:
     """Every rank's launch queue. ``key(op)`` names a message the same on both ends;
     ``latency(send)`` is its time on the wire; ``issue(rank, op, time)`` hands a collective
-    that begins to the replay's collective channels, which say when it completes
-    (``completion_of(op)``: None while some rank has not begun it)."""
+    that begins to the replay's collective channels (what it returns is not used), which say when
+    it completes (``completion_of(op)``: None while some rank has not begun it)."""
 
     def __init__(
         self,
         pp: int,
         key: Callable[[Op], tuple],
         latency: Callable[[Op], float],
-        issue: Callable[[int, Op, float], None],
+        issue: Callable[[int, Op, float], object],
         completion_of: Callable[[Op], float | None],
     ) -> None:
         self.queues: list[deque[Launch]] = [deque() for _ in range(pp)]

@@ -8,9 +8,9 @@ arrived: a RECV only posts the receive (``lowering`` may post it early, see
 ``message_order.py``); the op that consumes the message waits for the matching SEND's data (the
 SEND is issued when the producing op ends and the message takes the cost model's latency);
 sends never block, unless the replay follows NCCL's in-order completion (``completion.py``: a
-message completes with both of its ends, one at a time per rank, in launch order). Memory: F adds the op's
-activation when it starts, B frees all but the weight-gradient share (at its end), W frees that
-share, BW frees everything.
+message completes with both of its ends, one at a time per rank, in launch order). Memory: F adds
+the op's activation when it starts, B frees all but the weight-gradient share (at its end), W
+frees that share, BW frees everything.
 
 Activation copies (OFFLOAD/RELOAD, see ``lowering.insert_offload``) run beside compute on two copy
 streams per rank, device-to-host and host-to-device. An OFFLOAD is issued when the rank reaches it
@@ -274,7 +274,7 @@ def replay(
             lowered.pp,
             message_key,
             costs.comm_latency,
-            lambda rank, op, time: collectives.issue(rank, op, time) and None,
+            collectives.issue,
             lambda op: collectives.done.get((op.kind, *op.unit)),
         )
         if completion != FREE
