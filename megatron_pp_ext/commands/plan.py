@@ -56,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top", type=int, default=10, help="plans to show")
     parser.add_argument("--schedules", help="comma-separated schedules to consider (default: all)")
     parser.add_argument("--max-simulations", type=int, default=300, help="simulations the search may run")
-    add_completion_argument(parser)
+    add_completion_argument(parser, gloo=False)
     parser.add_argument("--json", action="store_true", help="print the plans as a JSON list, best first")
     parser.add_argument(
         "--emit", choices=("flags", "sbatch"), help="print the top plan as Megatron flags or sbatch"

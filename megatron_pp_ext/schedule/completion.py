@@ -129,13 +129,16 @@ class InOrderQueues:
         return [f"rank {rank}'s {queue[0].op}" for rank, queue in enumerate(self.queues) if queue]
 
 
-def add_completion_argument(parser: argparse.ArgumentParser) -> None:
-    """``--comm-completion``, for the commands that replay (simulate, plan)."""
+def add_completion_argument(parser: argparse.ArgumentParser, gloo: bool = True) -> None:
+    """``--comm-completion``, for the commands that replay: simulate, and plan (which predicts
+    GPUs: ``gloo=False`` leaves the emulated host out)."""
+    choices = COMPLETIONS if gloo else (FREE, IN_ORDER)
+    sync = ", in-order-sync (the same with the host computing: gloo under --pp-emulate-nccl)" if gloo else ""
     parser.add_argument(
         "--comm-completion",
-        choices=COMPLETIONS,
+        choices=choices,
         default=FREE,
         help="when a message completes: free (a send never waits; the default), in-order (NCCL on a "
         "GPU: each rank's messages one after another in launch order, a send together with its "
-        "receive), in-order-sync (the same with the host computing: gloo under --pp-emulate-nccl)",
+        f"receive){sync}",
     )
