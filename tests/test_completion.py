@@ -163,3 +163,20 @@ def test_plan_under_in_order_completion_is_never_faster(capsys) -> None:
     assert steps[FREE] < steps[IN_ORDER] < steps[FREE] * 1.01, steps
     assert main(args[:-1] + ["--comm-completion", IN_ORDER]) == 0
     assert "; messages complete in-order" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_simulate_names_the_flag_when_a_hand_written_order_hangs_in_order(tmp_path, capsys) -> None:
+    """A schedule file whose order hangs under rule 3 runs free (its NCCL line says so); with
+    ``--comm-completion in-order`` it is one line naming the flag and the launch queues' heads,
+    exit 2, no traceback."""
+    from megatron_pp_ext.cli import main
+
+    text = "pp: 2\nmicrobatches: 2\nrank 0: F0:0 F0:1 BW0:0 BW0:1\nrank 1: F1:0 BW1:0 F1:1 BW1:1"
+    path = tmp_path / "naive.txt"
+    path.write_text(insert_p2p(Schedule.from_text(text)).to_text())
+    assert main(["simulate", "--schedule-file", str(path)]) == 0
+    assert "NCCL: in-order hangs" in capsys.readouterr().out
+    assert main(["simulate", "--schedule-file", str(path), "--comm-completion", "in-order"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("megatron-pp-ext simulate: error: --comm-completion: in-order: deadlock"), line
+    assert "launch queues wait at rank 0's SEND_F0:1>1, rank 1's SEND_B1:0>0" in line, line

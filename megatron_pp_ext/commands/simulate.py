@@ -588,12 +588,27 @@ def finish(
     if args.pp_offload != "none":
         check_offload_args(args)
     run = schedule if args.pp_offload == "none" else offloaded(args, schedule, model)
-    result = with_iterations(args, simulate(run, model, completion=args.comm_completion), run, model)
+    result = with_iterations(args, replayed(args, run, model), run, model)
     if run is not schedule:
-        result.baseline = simulate(schedule, model, completion=args.comm_completion)
+        result.baseline = replayed(args, schedule, model)
     if args.comm_completion != FREE:
         run.meta["makespan_free_completion"] = simulate(run, model).makespan
     return result
+
+
+def replayed(args: argparse.Namespace, schedule: Schedule, model: CostModel) -> SimResult:
+    """``simulate`` under ``--comm-completion``; an order that hangs under in-order completion
+    (a hand-written schedule file) is one line naming the flag."""
+    try:
+        return simulate(schedule, model, completion=args.comm_completion)
+    except ScheduleError as error:
+        if args.comm_completion == FREE:
+            raise
+        raise UsageError(
+            "--comm-completion",
+            f"{args.comm_completion}: {error} (this order hangs on a GPU; without the flag the "
+            "NCCL line says where and how to fix it)",
+        ) from None
 
 
 def redistributed(
