@@ -129,15 +129,17 @@ def test_in_order_costs_nothing_at_the_costs_the_order_was_made_at(pp: int) -> N
     assert slower > len(SCHEDULES), slower  # the models do differ once messages take time
 
 
-def test_simulate_reports_what_in_order_completion_costs(capsys) -> None:
+def test_simulate_reports_what_in_order_completion_costs(capsys, tmp_path) -> None:
     """``simulate --comm-completion in-order`` replays under the rule and shows the makespan
     beside the one with sends that never wait (DualPipeV, p = 4, m = 8, costs 1,2,1, latency
-    0.1: 40.4 against 37.8); JSON names the model."""
+    0.1: 40.4 against 37.8); JSON names the model; a saved schedule carries no result."""
     from megatron_pp_ext.cli import main
 
     base = ["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "8"]
     base += ["--costs", "1,2,1", "--comm", "0.1"]
-    assert main([*base, "--comm-completion", "in-order"]) == 0
+    saved = tmp_path / "saved.json"
+    assert main([*base, "--comm-completion", "in-order", "--save", str(saved)]) == 0
+    assert Schedule.from_json(saved.read_text()).meta == generate("dualpipev", 4, 8).meta
     out = capsys.readouterr().out
     header, _, row = out.splitlines()[:3]
     assert header.split()[-5:] == ["free", "sends:", "makespan", "in", "order"], header

@@ -592,7 +592,7 @@ def finish(
     if run is not schedule:
         result.baseline = replayed(args, schedule, model)
     if args.comm_completion != FREE:
-        run.meta["makespan_free_completion"] = simulate(run, model).makespan
+        result.free_sends = simulate(run, model)
     return result
 
 
@@ -628,13 +628,9 @@ def redistributed(
         raise UsageError("--pp-attn-redistribution", f"CAP must be between 0 and 1, got {cap}")
     plan = plan or schedule
     schedule.meta["attn_redistribution"] = cap
-    completion = args.comm_completion
-    schedule.meta["bubble_without_redistribution"] = simulate(
-        schedule, model, completion=completion
-    ).bubble_rate
-    schedule.meta["bubble_whole_slices"] = simulate(
-        schedule, planned_costs(plan, model, cap), completion=completion
-    ).bubble_rate
+    schedule.meta["bubble_without_redistribution"] = replayed(args, schedule, model).bubble_rate
+    whole_slices = planned_costs(plan, model, cap)
+    schedule.meta["bubble_whole_slices"] = replayed(args, schedule, whole_slices).bubble_rate
     return redistribute(plan, model, cap)
 
 
@@ -667,8 +663,8 @@ def _row(
         row["no vocab: makespan"] = f"{plain.makespan:.4g}"
         row["no vocab: busy max/min"] = f"{plain.busy_max_over_min:.3f}"
         row["no vocab: mem max/min"] = f"{memory_balance(args, plain):.3f}"
-    free = result.schedule.meta.get("makespan_free_completion")
-    if free:
+    if result.free_sends is not None:
+        free = result.free_sends.makespan
         row["free sends: makespan"] = f"{free:.4g}"
         row["in order"] = f"{result.makespan / free - 1:+.1%}"
     for name, run in (getattr(result, "iterations", None) or {}).items():

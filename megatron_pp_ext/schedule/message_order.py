@@ -46,7 +46,7 @@ from typing import Any
 
 from .costs import UniformCosts
 from .ir import COLLECTIVE_KINDS, Op, OpKind, Schedule
-from .replay import message_key, replay
+from .replay import input_key, message_key, replay
 from .slots import slot_costs
 from .vocab import CHANNELS, Layout, default_costs
 
@@ -166,21 +166,12 @@ def _zero_time_depths(schedule: Schedule, events: list[Any]) -> dict[tuple[int, 
             before = previous.get(event.rank)
             if before is not None and before[0] == event.end:
                 depth = before[1]
-            source = sender.get(_input_key(event.op)) if _input_key(event.op) else None
+            source = sender.get(input_key(event.op)) if input_key(event.op) else None
             if source is not None and end[source] == event.end:
                 depth = max(depth, depths[source] + 1)
         depths[(event.rank, event.op)] = depth
         previous[event.rank] = (event.end, depth)
     return depths
-
-
-def _input_key(op: Op) -> tuple[str, int, int, int] | None:
-    """The message a compute consumes (as ``message_key`` names it), None for one that takes none."""
-    if op.kind == OpKind.F:
-        return ("F", op.stage, op.microbatch, op.slice)
-    if op.kind in (OpKind.B, OpKind.BW):
-        return ("B", op.stage, op.microbatch, op.slice)
-    return None
 
 
 def _consumed_key(op: Op) -> tuple[Any, ...]:
@@ -192,7 +183,7 @@ def _consumed_key(op: Op) -> tuple[Any, ...]:
 
 def _consumes(op: Op, layout: Layout, rank: int) -> list[tuple[Any, ...]]:
     """The movable ops a fixed op waits for: a compute's input message, a collective's result."""
-    message = _input_key(op)
+    message = input_key(op)
     found: list[tuple[Any, ...]] = [] if message is None else [message]
     if op.is_compute or op.kind in (OpKind.S, OpKind.T):
         needed = layout.waits_for(op, rank)

@@ -73,6 +73,7 @@ class SimResult:
     baseline: SimResult | None = None  # the same schedule without its copies, when compared
     collectives: list[Event] = field(default_factory=list)  # per rank: issue to completion
     without_vocab: SimResult | None = None  # the schedule without vocabulary parallelism, when compared
+    free_sends: SimResult | None = None  # the same replay with sends that never wait, when compared
 
     @property
     def bubble_rate_per_rank(self) -> list[float]:
@@ -152,6 +153,16 @@ def message_key(op: Op) -> tuple[str, int, int, int]:
     if op.kind == OpKind.SEND_B:
         return ("B", op.stage - 1, op.microbatch, op.slice)
     return ("F" if op.kind == OpKind.RECV_F else "B", op.stage, op.microbatch, op.slice)
+
+
+def input_key(op: Op) -> tuple[str, int, int, int] | None:
+    """The message a compute op consumes (its input, or its output gradient), named as
+    :func:`message_key` names it; None for an op that consumes none."""
+    if op.kind == OpKind.F:
+        return ("F", op.stage, op.microbatch, op.slice)
+    if op.kind in BACKWARD_KINDS:
+        return ("B", op.stage, op.microbatch, op.slice)
+    return None
 
 
 class _Link:
@@ -245,6 +256,8 @@ def replay(
     schedule it is ordering). ``schedule``: what the result reports (default ``lowered``).
     ``completion``: ``FREE`` (sends never wait), or NCCL's in-order completion (``completion.py``)
     with the host ahead of the GPU (``IN_ORDER``) or the host computing (``IN_ORDER_SYNC``)."""
+    if completion not in COMPLETIONS:
+        raise ValueError(f"completion {completion!r} is not one of {', '.join(COMPLETIONS)}")
     schedule = lowered if schedule is None else schedule
     holds = holds or {}
     if costs is None:
@@ -280,8 +293,6 @@ def replay(
         if completion != FREE
         else None
     )
-    if completion not in COMPLETIONS:
-        raise ValueError(f"completion {completion!r} is not one of {', '.join(COMPLETIONS)}")
     host = [0.0] * lowered.pp  # where each rank's host is: it waits only for messages and holds
 
     def completed(finished: list[Completed]) -> None:
@@ -295,12 +306,7 @@ def replay(
 
     def inbound(rank: int, op: Op) -> tuple[str, int, int, int] | None:
         """The posted message a compute op consumes (its input, or its output gradient)."""
-        if op.kind == OpKind.F:
-            key = ("F", op.stage, op.microbatch, op.slice)
-        elif op.kind in BACKWARD_KINDS:
-            key = ("B", op.stage, op.microbatch, op.slice)
-        else:
-            return None
+        key = input_key(op)
         return key if key in posted[rank] else None
 
     def collective_ready(rank: int, op: Op) -> float | None:
@@ -437,8 +443,8 @@ def _waiting(ops: list[Op], position: int) -> str:
     """The op a stuck rank stands at, and the RECV whose message it waits for, if any."""
     op = ops[position]
     text = format_op(op)
-    if op.kind == OpKind.F or op.kind in BACKWARD_KINDS:
-        wanted = ("F" if op.kind == OpKind.F else "B", op.stage, op.microbatch, op.slice)
+    wanted = input_key(op)
+    if wanted is not None:
         posted = [
             o for o in ops[:position] if o.kind in (OpKind.RECV_F, OpKind.RECV_B) and message_key(o) == wanted
         ]
