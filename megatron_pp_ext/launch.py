@@ -97,14 +97,19 @@ def _entry(local_rank: int, world_size: int, port: int, worker: Callable[..., An
     worker(local_rank, world_size, local_rank, *args)
 
 
-def run_for_results(worker: Callable[..., Any], world_size: int, settings_for: Callable[[str], Any]) -> str:
+def run_for_results(
+    worker: Callable[..., Any],
+    world_size: int,
+    settings_for: Callable[[str], Any],
+    backend: str | None = None,
+) -> str:
     """:func:`run` for a job whose rank 0 writes its results to a file: ``settings_for(path)``
     builds the workers' settings around that path; returns what rank 0 wrote ("" in another
     rank's process under torchrun or srun, where rank 0 reports)."""
     handle, output = tempfile.mkstemp(prefix="megatron-pp-ext-", suffix=".json")
     os.close(handle)
     try:
-        run(worker, world_size, settings_for(output))
+        run(worker, world_size, settings_for(output), backend=backend)
         with open(output) as results:
             return results.read()
     finally:

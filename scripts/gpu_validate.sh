@@ -64,7 +64,7 @@ DOCS=${DOCS:-docs/benchmarks.md}
 MEGATRON_LM=${MEGATRON_LM:-$REPO/../shared/megatron-lm}
 G=scripts/gpu
 PHASES=(probe train-pp1 bw-split offload attention-memory post-validation shared-gpu pretrain-gpt cpu-suite
-    sliced-attention)
+    sliced-attention bench bench-offload)
 
 describe() {  # PHASE: sets CHECKS (what it checks), GPU, NEEDS (packages), TAKES (how long)
     GPU=yes NEEDS="torch, megatron-core"
@@ -109,6 +109,14 @@ describe() {  # PHASE: sets CHECKS (what it checks), GPU, NEEDS (packages), TAKE
         CHECKS="sliced (4 slices) against unsliced causal attention, forward + backward time at 16K, 32K, 64K"
         CHECKS+=" and 128K tokens, bf16, GQA 8:1, torch_flash and sdpa (and flash_attn when present)"
         NEEDS=torch TAKES="~3 min" ;;
+    bench)
+        CHECKS="bench --against megatron at pipeline size 2 (a GPU per rank, or the ranks sharing one), the"
+        CHECKS+=" medium bench model: every schedule of ours against Megatron's own, the same first step"
+        TAKES="~5-9 min" ;;
+    bench-offload)
+        CHECKS="the same bench with our offload (full, selective, auto) against Megatron's fine-grained"
+        CHECKS+=" activation offloading of attention and norm inputs (only with Transformer Engine)"
+        NEEDS+=", Transformer Engine for Megatron's side" TAKES="~5-9 min" ;;
     esac
 }
 
@@ -334,6 +342,10 @@ phase_sliced_attention() {
     gpu_step s64k 150 "$PY" "$G/sliced_attention.py" 65536
     gpu_step s128k 240 "$PY" "$G/sliced_attention.py" 131072
 }
+
+phase_bench() { gpu_step against-megatron 570 "$PY" "$G/bench_megatron.py" schedules; }
+
+phase_bench_offload() { gpu_step offload-vs-megatron 570 "$PY" "$G/bench_megatron.py" offload; }
 
 # ---- main --------------------------------------------------------------------------------------
 

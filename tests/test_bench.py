@@ -40,21 +40,25 @@ def test_bad_flags_fail_before_launch(args: list[str], flag: str) -> None:
 
 @pytest.mark.slow
 def test_minimal_bench_json_and_loss_check() -> None:
-    """Also under --pp-emulate-nccl: our runs then launch in NCCL's order (runtime/launch_order.py)."""
+    """Also under --pp-emulate-nccl: our runs then launch in NCCL's order (runtime/launch_order.py).
+    With --pp-offload full each schedule also runs with activation offload, timed in the same
+    rounds as the schedule without it: the same step, a lower peak where units live long (V-ZB
+    keeps chunk 0's units on rank 0 across the whole V)."""
     done = bench(
         "--schedules", "1f1b,v-zb", "--iterations", "1", "--warmup", "0", "--microbatches", "4", "--json",
-        "--pp-emulate-nccl",
+        "--pp-emulate-nccl", "--pp-offload", "full",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
     assert results["pp"] == 2 and results["microbatches"] == 4 and results["model_size"] == "tiny"
     assert results["emulate_nccl"] is True
     assert results["backend"] in ("gloo", "nccl")
-    assert [row["schedule"] for row in results["rows"]] == ["1f1b", "v-zb"]
+    rows = [(row["schedule"], row["offload"]) for row in results["rows"]]
+    assert rows == [("1f1b", "none"), ("1f1b", "full"), ("v-zb", "none"), ("v-zb", "full")]
     # one step of the tiny bench model (bench/job.py: 4 layers, widths 64 and 128, 32 tokens, b=2)
     tiny = SimpleNamespace(num_layers=4, hidden_size=64, ffn_hidden_size=128, seq_length=32, dtype="float32")
     limit = training_tolerance(tiny, microbatches=4, steps=1)
-    for row, torch_class in zip(results["rows"], ["Schedule1F1B", "ScheduleZBVZeroBubble"]):
+    for row, torch_class in zip(results["rows"], ["Schedule1F1B"] * 2 + ["ScheduleZBVZeroBubble"] * 2):
         assert row["torch_class"] == torch_class
         assert row["ours_skip"] is None and row["torch_skip"] is None, row
         for side in ("ours", "torch"):
@@ -67,6 +71,16 @@ def test_minimal_bench_json_and_loss_check() -> None:
         for key in ("loss", "grad_norm"):
             ours, theirs = check["ours"][key], check["torch"][key]
             check_error(abs(ours - theirs) / abs(theirs), limit, f"{row['schedule']} {key}")
+        if row["offload"] == "full":
+            assert (
+                row["ours"]["same_step_as_plain"] is True and row["ours"]["offload_overhead"]["rounds"] == 1
+            )
+    offloaded = results["rows"][3]["ours"]
+    peaks, without = (
+        offloaded["peak_activation_bytes"],
+        results["rows"][3]["ours_plain"]["peak_activation_bytes"],
+    )
+    assert peaks[0] < 0.8 * without[0], (peaks, without)
 
 
 def test_schedules_shim_changes_only_megatron_schedules_module() -> None:
@@ -129,3 +143,141 @@ def test_against_megatron_same_step_paired_rounds() -> None:
             error = abs(check["ours"][key] - first[key]) / abs(first[key])
             check_error(error, limit, f"{row['schedule']} {key}")
     assert "4 sequence slices" in results["rows"][3]["notes"]
+
+
+def bench_args(*args: str):
+    from megatron_pp_ext.cli import build_parser
+
+    return build_parser(["bench"]).parse_args(["bench", *args])
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "says"),
+    [
+        (["--pp-offload", "full,bogus"], "--pp-offload", "unknown policy"),
+        (["--offload-modules", "core_attn"], "--offload-modules", "--fine-grained-activation-offloading"),
+        (
+            [
+                "--fine-grained-activation-offloading",
+                "--offload-modules",
+                "core_attn",
+                "--pp-offload",
+                "full",
+            ],
+            "--fine-grained-activation-offloading",
+            "--against megatron",
+        ),  # fmt: skip
+        (
+            ["--against", "megatron", "--fine-grained-activation-offloading", "--pp-offload", "full"],
+            "--fine-grained-activation-offloading",
+            "--offload-modules",
+        ),  # fmt: skip
+        (
+            [
+                "--against",
+                "megatron",
+                "--fine-grained-activation-offloading",
+                "--offload-modules",
+                "core_attn",
+            ],
+            "--fine-grained-activation-offloading",
+            "--pp-offload full",
+        ),  # fmt: skip
+        (["--emulate", "1,2,1", "--pp-offload", "full"], "--pp-offload", "drop it"),
+    ],
+)
+def test_offload_flags_fail_in_one_line_naming_the_flag(args: list[str], flag: str, says: str) -> None:
+    from megatron_pp_ext.commands.bench import check
+    from megatron_pp_ext.errors import UsageError
+
+    with pytest.raises(UsageError) as caught:
+        check(bench_args(*args))
+    assert caught.value.flag == flag and says in str(caught.value)
+
+
+def test_fine_grained_offloading_refused_where_megatron_cannot_run_it() -> None:
+    """megatron-core's fine-grained offloading needs CUDA streams and Transformer Engine's
+    cpu_offload: without them the bench says which is missing before any process starts."""
+    import importlib.util
+
+    import torch
+
+    from megatron_pp_ext.commands.bench import check
+    from megatron_pp_ext.errors import UsageError
+
+    args = bench_args(
+        "--against", "megatron", "--pp-offload", "full", "--fine-grained-activation-offloading",
+        "--offload-modules", "core_attn", "attn_proj",
+    )  # fmt: skip
+    if torch.cuda.is_available() and importlib.util.find_spec("transformer_engine"):
+        check(args)  # runs here
+        return
+    with pytest.raises(UsageError) as caught:
+        check(args)
+    assert caught.value.flag == "--fine-grained-activation-offloading"
+    assert ("CUDA" in str(caught.value)) != torch.cuda.is_available()
+    assert "Transformer Engine" in str(caught.value) or importlib.util.find_spec("transformer_engine")
+
+
+def test_offload_rows_pair_each_policy_with_its_plain_schedule() -> None:
+    """Each --pp-offload policy is a row of its own after the schedule without offload; the row
+    keeps the plain schedule to time beside it, and auto is left to the ranks (k is measured)."""
+    from megatron_pp_ext.bench.job import plan_row
+    from megatron_pp_ext.commands.bench import offload_modes
+    from megatron_pp_ext.schedule.ir import OpKind
+
+    assert offload_modes("auto,full,auto") == ["none", "auto", "full"]
+    rows = {
+        mode: plan_row("interleaved-1f1b", 2, 4, "tiny", "megatron", offload=mode)
+        for mode in offload_modes("full,auto")
+    }
+    assert rows["none"].plain is None and rows["none"].offload == "none"
+    kinds = {mode: {op.kind for _, _, op in row.ours.all_ops()} for mode, row in rows.items()}
+    assert OpKind.OFFLOAD in kinds["full"] and OpKind.OFFLOAD not in kinds["none"]
+    assert OpKind.OFFLOAD not in kinds["auto"]  # resolved on each rank from its measured k
+    for mode in ("full", "auto"):
+        assert (
+            rows[mode].plain is not None and rows[mode].plain.comm_digest() == rows["none"].ours.comm_digest()
+        )
+        assert {op.kind for _, _, op in rows[mode].plain.all_ops()} == kinds["none"]
+
+
+def test_megatron_p2p_staging_view() -> None:
+    """bench/megatron_p2p.py: megatron-core's p2p module sees a torch whose isend/irecv stage
+    through host memory; torch itself is unchanged, and a staged receive fills its device
+    tensor only when waited for."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    from megatron_pp_ext.bench import megatron_p2p
+
+    before = p2p_communication.torch
+    try:
+        megatron_p2p.install()
+        view = p2p_communication.torch
+        assert view.distributed.isend is megatron_p2p.staged_isend
+        assert view.distributed.irecv is megatron_p2p.staged_irecv
+        assert view.distributed.get_backend is dist.get_backend and view.cuda is torch.cuda
+        assert torch.distributed.isend is not megatron_p2p.staged_isend
+    finally:
+        p2p_communication.torch = before
+        megatron_p2p._installed = False
+
+    class Work:
+        waited = 0
+
+        def wait(self) -> bool:
+            self.waited += 1
+            return True
+
+        def is_completed(self) -> bool:
+            return self.waited > 0
+
+    host, target, work = torch.arange(4.0), torch.zeros(4), Work()
+    staged = megatron_p2p.StagedWork(work, host, target)
+    assert not staged.is_completed() and target.sum() == 0  # nothing lands before the wait
+    assert staged.wait() is True and torch.equal(target, host) and staged.waited == 1
+    host.fill_(7)
+    staged.wait()  # copied once
+    assert torch.equal(target, torch.arange(4.0))

@@ -28,6 +28,8 @@ PHASES = [
     "pretrain-gpt",
     "cpu-suite",
     "sliced-attention",
+    "bench",
+    "bench-offload",
 ]
 PROBE_STEPS = ["versions", "imports", "nvidia-smi", "cuda", "bf16", "nccl"]
 

@@ -13,6 +13,7 @@ from ..schedule.generators import SCHEDULES, RequestError, generate
 from ..schedule.ir import Schedule
 from ..schedule.lowering import lower
 from ..schedule.nccl_check import check_nccl
+from ..schedule.offload import OffloadError, OffloadPolicy, apply_offload
 from ..schedule.run_costs import RunShape, run_costs
 
 # Both sizes fit the 2-core CPU machine; "small" makes compute, not Python overhead, dominate.
@@ -41,6 +42,20 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
         ),
         "micro_batch_size": 2,
     },
+    # for a GPU (the `bench` phase of scripts/gpu_validate.sh): activations large enough that
+    # offload copies and step times mean something; too slow for the CPU machine
+    "medium": {
+        "model": dict(
+            num_layers=8,
+            hidden_size=1024,
+            num_attention_heads=16,
+            num_kv_heads=4,
+            ffn_hidden_size=2816,
+            vocab_size=32000,
+            seq_length=2048,
+        ),
+        "micro_batch_size": 1,
+    },
 }
 
 
@@ -62,6 +77,10 @@ class MegatronPair:
     function: str
     chunks: int
     label: str
+    # megatron-core's fine-grained activation offloading of these modules (TransformerConfig's
+    # ``offload_modules``), tensors from ``min_offloaded_tensor_size`` bytes; () for none
+    offload_modules: tuple[str, ...] = ()
+    min_offloaded_tensor_size: int = 1024
 
 
 # Our schedule -> megatron-core's own; the others are timed against the faster of these two.
@@ -98,7 +117,9 @@ class Row:
     the faster of Megatron's two, decided once both have run)."""
 
     name: str
+    offload: str = "none"  # our --pp-offload policy for this row (auto: k measured on each rank)
     ours: Schedule | None = None
+    plain: Schedule | None = None  # with offload: ours without it, timed in the same rounds
     ours_skip: str | None = None
     torch: TorchPair | None = None
     torch_skip: str | None = None
@@ -124,6 +145,10 @@ class BenchSettings:
     emulate_nccl: bool = False  # NCCL's rules on gloo for our runs (runtime/creation.py, launch_order.py)
     against: str = "torch"  # the baseline: torch.distributed.pipelining or megatron-core's schedules
     count_calls: bool = False  # one more step per job under cProfile on rank 0
+    distributed_backend: str | None = None  # "gloo" with GPUs: the ranks share them (launch.py)
+    # Megatron's fine-grained activation offloading (its --offload-modules) against our offload rows
+    offload_modules: tuple[str, ...] = ()
+    min_offloaded_tensor_size: int = 1024
 
     @property
     def model(self) -> dict[str, Any]:
@@ -160,18 +185,21 @@ def plan_row(
     model_size: str,
     against: str = "torch",
     slices: int = DEFAULT_SLICES,
+    offload: str = "none",
 ) -> Row:
     """Decide what runs for ``name``: our schedule if it is registered and fits the model (the
     sequence-sliced family with ``slices`` slices), lowered with its messages in the order
     ``train`` gives them (a replay at the model's FLOP costs, ``schedule/run_costs.py``); the
-    baseline's counterpart if there is one (torch's own constraints are checked on the ranks)."""
+    baseline's counterpart if there is one (torch's own constraints are checked on the ranks).
+    ``offload``: our schedule with ``--pp-offload``'s copies (``auto`` is resolved on each rank,
+    from k measured on its device)."""
     from ..megatron.model import split_layers
     from ..megatron.model_config import ModelConfig
 
     config = ModelConfig(**MODEL_SIZES[model_size]["model"])
     num_layers = config.num_layers
 
-    row = Row(name=name)
+    row = Row(name=name, offload=offload)
     if against == "megatron":
         row.megatron = MEGATRON_PAIRS.get(name)
         row.torch_skip = "not run (--against megatron)"
@@ -205,6 +233,14 @@ def plan_row(
     if hang is not None:
         row.ours_skip = f"would hang under NCCL: {hang.message()}"
         return row
+    if offload != "none":
+        row.plain = schedule
+    if offload not in ("none", "auto"):
+        try:
+            schedule = apply_offload(schedule, OffloadPolicy(offload))
+        except OffloadError as error:
+            row.ours_skip = f"{error.flag}: {error}"
+            return row
     row.ours = schedule
     if sliced:
         row.notes.append(f"{schedule.slices} sequence slices")
@@ -217,3 +253,14 @@ def plan_row(
             f"torch v={pair.stages_per_rank} {pair.placement}"
         )
     return row
+
+
+def fine_grained(pair: MegatronPair, modules: tuple[str, ...], min_bytes: int) -> MegatronPair:
+    """``pair`` with megatron-core's fine-grained activation offloading of ``modules``."""
+    return MegatronPair(
+        pair.function,
+        pair.chunks,
+        f"{pair.label} + fine-grained offload ({','.join(modules)})",
+        tuple(modules),
+        min_bytes,
+    )

@@ -13,6 +13,10 @@ runtime's (the same ``GPTModel`` stages, weights copied from one reference) with
   on the config the schedule reads.
 
 On CPU ``megatron.cpu_shim.install_for_schedules`` keeps the schedules' token counter off CUDA.
+With ranks sharing a GPU (``--distributed-backend gloo``) Megatron's messages are staged through
+host memory (``megatron_p2p.py``), as our runtime stages its own. With ``pair.offload_modules`` the
+chunks are built with megatron-core's fine-grained activation offloading of those modules (CUDA and
+Transformer Engine only; ``bench`` checks both before it starts).
 Activation bytes are what autograd saves during the step (``saved_tensors_hooks``, by storage,
 parameters excluded): the received input is saved by the chunk's first layer and outputs are
 freed once sent, so nothing else stays alive. Our runtime also counts the tensors it stashes
@@ -22,13 +26,17 @@ higher for the same memory.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..megatron.model import ModelConfig, build_chunks_from
 from ..megatron.steps import forward_step
 from ..runtime import ActivationMeter
 from ..schedule.ir import Placement
+from . import megatron_p2p
 from .job import MegatronPair
 from .our_job import ModuleJob, microbatch_loss
 
@@ -51,10 +59,19 @@ class MegatronJob(ModuleJob):
         from ..megatron import cpu_shim
 
         cpu_shim.install_for_schedules()  # nothing with CUDA
+        if pair.offload_modules:  # read by the layers as they are built
+            fields = dict(
+                fine_grained_activation_offloading=True,
+                offload_modules=list(pair.offload_modules),
+                min_offloaded_tensor_size=pair.min_offloaded_tensor_size,
+            )
+            model = dataclasses.replace(model, extra={**model.extra, **fields})
         # Megatron's chunk c on rank r is stage c*p + r
         placement = Placement(pp, pp * pair.chunks, "interleaved")
         self.chunks, _ = build_chunks_from(reference, model, placement, rank)
         device = next(self.chunks[0].parameters()).device
+        if device.type != "cpu" and dist.get_backend() == "gloo":  # ranks sharing a GPU
+            megatron_p2p.install()
         self.batches = [{key: value.to(device) for key, value in batch.items()} for batch in batches]
         config = self.chunks[0].config  # the one Megatron's schedules read (get_model_config)
         config.pipeline_dtype = model.torch_dtype

@@ -8,7 +8,9 @@ from torch import Tensor
 from ..megatron.model import ModelConfig, build_chunks_from
 from ..megatron.steps import forward_step
 from ..runtime import PipeComm, PipelineRuntime
+from ..runtime.offload_probe import offload_ratio_on
 from ..schedule.ir import Schedule
+from ..schedule.offload import OffloadPolicy, apply_offload
 
 
 def microbatch_loss(report: Tensor) -> float:
@@ -49,6 +51,7 @@ class OurJob(ModuleJob):
         comm: PipeComm,
         rank: int,
         micro_batch_size: int,
+        auto_offload: bool = False,
     ) -> None:
         self.chunks, _ = build_chunks_from(
             reference, model, schedule.placement, rank, sliced=schedule.slices > 1
@@ -56,6 +59,9 @@ class OurJob(ModuleJob):
         self.modules = list(self.chunks)
         device = next(self.chunks[0].parameters()).device
         self.batches = [{key: value.to(device) for key, value in batch.items()} for batch in batches]
+        if auto_offload:  # as train's --pp-offload auto: k from this device's measured throughputs
+            ratio = offload_ratio_on(device, model.hidden_size, model.seq_length, model.torch_dtype)
+            schedule = apply_offload(schedule, OffloadPolicy("auto", ratio=ratio))
         self.schedule = schedule
         shape = (model.seq_length, micro_batch_size, model.hidden_size)
         self.runtime = PipelineRuntime(self.chunks, comm, shape, model.torch_dtype)

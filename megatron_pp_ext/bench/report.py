@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+SHARED = " (the ranks share the GPU, messages staged through host memory)"
 BASELINES = {"torch": "torch.distributed.pipelining", "megatron": "megatron-core's own schedules"}
 
 
 def fmt_bytes(value: int) -> str:
+    if value >= 2**30:
+        return f"{value / 2**30:.2f}G"
     if value >= 2**20:
         return f"{value / 2**20:.2f}M"
     return f"{value / 2**10:.0f}K"
@@ -54,7 +57,7 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, str]]:
         if check is not None:
             notes.insert(0, f"loss/grad check {'ok' if check['match'] else 'MISMATCH'}")
         row = {
-            "schedule": item["schedule"],
+            "schedule": label_of(item),
             "ours s": f"{ours['median_s']:.4f}" if ours else "-",
             f"{against} schedule": label or "-",
             f"{against} s": f"{theirs['median_s']:.4f}" if theirs else "-",
@@ -76,6 +79,39 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, str]]:
     return rows
 
 
+def label_of(item: dict[str, Any]) -> str:
+    offload = item.get("offload", "none")
+    return item["schedule"] if offload == "none" else f"{item['schedule']} offload={offload}"
+
+
+def offload_rows(results: dict[str, Any]) -> list[dict[str, str]]:
+    """Each row with ``--pp-offload``: ours against the same schedule without offload, and
+    Megatron's with fine-grained offloading against Megatron's without, timed in the same paired
+    rounds: the highest rank's peak, the share it saves, the step-time overhead (min / median /
+    max of the per-round ratios) and whether the step stayed the same. On a GPU the peaks are the
+    allocator's, on CPU the activation meter's (what autograd keeps)."""
+    key = "peak_allocated_bytes" if results["device"] == "cuda" else "peak_activation_bytes"
+    rows = []
+    for item in results["rows"]:
+        if item.get("offload", "none") == "none":
+            continue
+        row = {"schedule": label_of(item)}
+        for side, label in (("ours", "ours"), ("megatron", "Megatron fine-grained")):
+            now, before = item.get(side), item.get(f"{side}_plain")
+            if now is None or before is None or "offload_overhead" not in now:
+                row[f"{label} peak (saved)"] = row[f"{label} overhead min/median/max"] = "-"
+                continue
+            peak, was = max(now[key]), max(before[key])
+            same = "" if now.get("same_step_as_plain") else ", STEP DIFFERS"
+            row[f"{label} peak (saved)"] = f"{fmt_bytes(peak)} ({1 - peak / was:.0%}{same})" if was else "-"
+            overhead = now["offload_overhead"]
+            row[f"{label} overhead min/median/max"] = " / ".join(
+                f"{overhead[k] - 1:+.1%}" for k in ("min", "median", "max")
+            )
+        rows.append(row)
+    return rows
+
+
 def format_table(rows: list[dict[str, str]], markdown: bool = False) -> str:
     headers = list(rows[0])
     if markdown:
@@ -93,7 +129,8 @@ def header(results: dict[str, Any]) -> str:
     return (
         f"bench: pp={results['pp']} m={results['microbatches']} model={results['model_size']} "
         f"({model['num_layers']} layers, hidden {model['hidden_size']}, seq {model['seq_length']}, "
-        f"micro-batch {results['micro_batch_size']}), {results['device']}/{results['backend']}, "
+        f"micro-batch {results['micro_batch_size']}), {results['device']}/{results['backend']}"
+        f"{SHARED if results.get('shared_gpu') else ''}, "
         f"{results['threads_per_rank']} thread(s) per rank"
         f"{', pinned to a core each' if results.get('pinned') else ''}, torch {results['torch']}; "
         f"median of {results['iterations']} paired rounds after {results['warmup']} warm-up, "

@@ -16,6 +16,7 @@ norm are checked against Megatron's: every schedule computes the same step.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import os
@@ -30,7 +31,9 @@ import torch.distributed as dist
 
 from ..launch import gather_objects
 from ..megatron.model import ModelConfig
-from .job import MEGATRON_PAIRS, BenchSettings, MegatronPair, Row
+from .job import MEGATRON_PAIRS, BenchSettings, MegatronPair, Row, fine_grained
+
+MEGATRON_PAIRS_BY_FUNCTION = {pair.function: pair for pair in MEGATRON_PAIRS.values()}
 
 CHECK_RTOL = {"loss": 1e-5, "grad_norm": 1e-4}
 
@@ -83,7 +86,9 @@ def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings)
 
     # The bookkeeping collectives wait longer than any transfer, so a rank whose peer failed
     # times out in the pipeline first and still meets the others at the next gather.
-    device = launch.init_distributed(rank, world_size, local_rank, 2 * settings.timeout + 60)
+    device = launch.init_distributed(
+        rank, world_size, local_rank, 2 * settings.timeout + 60, settings.distributed_backend
+    )
     pinned = False
     if device.type == "cpu":  # ranks compute on the cores: one thread and one core each
         torch.set_num_threads(1)
@@ -142,13 +147,20 @@ def make_batches(model: ModelConfig, settings: BenchSettings) -> list[dict[str, 
 
 
 def megatron_pair(row: Row, context: Context) -> tuple[MegatronPair | None, str | None]:
-    """Megatron's schedule for ``row``: its counterpart, else the faster of the two that ran."""
+    """Megatron's schedule for ``row``: its counterpart, else the faster of the two that ran
+    (without offload); with fine-grained activation offloading where ``row`` offloads and the
+    bench was asked for Megatron's (``--offload-modules``)."""
     if row.megatron is not None or row.name in MEGATRON_PAIRS:
-        return row.megatron, row.megatron_skip
-    if not context.megatron_medians:
+        pair, skip = row.megatron, row.megatron_skip
+    elif not context.megatron_medians:
         return None, "none of Megatron's own schedules ran"
-    best = min(context.megatron_medians, key=context.megatron_medians.__getitem__)
-    return MEGATRON_PAIRS[best], None
+    else:
+        best = min(context.megatron_medians, key=context.megatron_medians.__getitem__)
+        pair, skip = MEGATRON_PAIRS[best], None
+    s = context.settings
+    if pair is not None and row.offload != "none" and s.offload_modules:
+        pair = fine_grained(pair, s.offload_modules, s.min_offloaded_tensor_size)
+    return pair, skip
 
 
 def build_jobs(
@@ -162,16 +174,19 @@ def build_jobs(
 
     s = context.settings
     builders = {}
-    if row.ours is not None:
-        builders["ours"] = lambda: OurJob(
-            row.ours,
-            context.model,
-            context.reference,
-            context.batches,
-            context.comm,
-            context.rank,
-            s.micro_batch_size,
-        )
+    for name, schedule in (("ours", row.ours), ("ours_plain", row.plain)):
+        if schedule is not None and (name == "ours" or row.ours is not None):
+            builders[name] = functools.partial(
+                OurJob,
+                schedule,
+                context.model,
+                context.reference,
+                context.batches,
+                context.comm,
+                context.rank,
+                s.micro_batch_size,
+                auto_offload=name == "ours" and row.offload == "auto",
+            )
     if row.torch is not None:
         builders["torch"] = lambda: TorchJob(
             row.torch,
@@ -184,16 +199,19 @@ def build_jobs(
             context.device,
             context.group,
         )
-    if pair is not None:
-        builders["megatron"] = lambda: MegatronJob(
-            pair,
-            context.model,
-            context.reference,
-            context.batches,
-            s.pp,
-            context.rank,
-            s.micro_batch_size,
-        )
+    plain_pair = MEGATRON_PAIRS_BY_FUNCTION.get(pair.function) if pair and pair.offload_modules else None
+    for name, megatron in (("megatron", pair), ("megatron_plain", plain_pair)):
+        if megatron is not None:
+            builders[name] = functools.partial(
+                MegatronJob,
+                megatron,
+                context.model,
+                context.reference,
+                context.batches,
+                s.pp,
+                context.rank,
+                s.micro_batch_size,
+            )
     jobs, skipped = {}, {}
     for name, build in builders.items():
         job, error = None, None
@@ -216,6 +234,7 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
     jobs, skipped = build_jobs(row, context, pair)
     result: dict[str, Any] = {
         "schedule": row.name,
+        "offload": row.offload,
         "ours_skip": skipped.get("ours", row.ours_skip),
         "notes": list(row.notes),
     }
@@ -224,6 +243,7 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
         result["megatron_schedule"] = pair.label if pair else None
         result["megatron_function"] = pair.function if pair else None
         result["megatron_skip"] = skipped.get("megatron", pair_skip)
+        result["megatron_offload_modules"] = list(pair.offload_modules) if pair else []
         if pair is not None and row.name not in MEGATRON_PAIRS:
             result["notes"].insert(0, f"against Megatron's faster schedule here, {pair.label}")
     else:
@@ -268,22 +288,33 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
         }
     if "torch" in jobs:
         result["torch"]["recv_buffer_bytes"] = gather_objects(jobs["torch"].live.buffer_bytes)
-    if baseline == "megatron" and row.name in MEGATRON_PAIRS and "megatron" in jobs:
+    if baseline == "megatron" and row.name in MEGATRON_PAIRS and row.offload == "none" and "megatron" in jobs:
         context.megatron_medians = context.megatron_medians or {}
         context.megatron_medians[row.name] = result["megatron"]["median_s"]
+    for name in ("ours", "megatron"):  # an offload row's cost, round by round
+        if name in jobs and f"{name}_plain" in jobs:
+            result[name]["offload_overhead"] = spread(times[name], times[f"{name}_plain"])
+            same = compare(first[name], first[f"{name}_plain"], "plain")
+            result[name]["same_step_as_plain"] = same["match"]
     if "ours" in jobs and baseline in jobs:
         ratios = [a / b for a, b in zip(times["ours"], times[baseline])]  # one per paired round
         result["ratio"] = statistics.median(ratios)
         quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else None
         result["ratio_iqr"] = [quartiles[0], quartiles[2]] if quartiles else None
-        result[f"ours_over_{baseline}"] = {
-            "min": min(ratios),
-            "median": statistics.median(ratios),
-            "max": max(ratios),
-            "rounds": len(ratios),
-        }
+        result[f"ours_over_{baseline}"] = spread(times["ours"], times[baseline])
         result["check"] = compare(first["ours"], first[baseline], baseline)
     return result
+
+
+def spread(times: list[float], reference: list[float]) -> dict[str, float | int]:
+    """min / median / max over paired rounds of ``times`` over ``reference``."""
+    ratios = [a / b for a, b in zip(times, reference)]
+    return {
+        "min": min(ratios),
+        "median": statistics.median(ratios),
+        "max": max(ratios),
+        "rounds": len(ratios),
+    }
 
 
 def timed_step(job: Any, device: torch.device, first: bool, measure: bool) -> Outcome:
@@ -367,6 +398,7 @@ def summary(
         "micro_batch_size": settings.micro_batch_size,
         "device": device.type,
         "backend": dist.get_backend(),
+        "shared_gpu": device.type == "cuda" and dist.get_backend() == "gloo",
         "emulate_nccl": settings.emulate_nccl,
         "threads_per_rank": torch.get_num_threads(),
         "pinned": pinned,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 
 from ..bench.emulate import add_emulate_arguments
 from ..bench.job import (
@@ -65,6 +66,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny", help="default tiny")
     parser.add_argument("--seed", type=int, default=1234, help="weights and data seed")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck transfer fails")
+    parser.add_argument(
+        "--distributed-backend",
+        choices=("nccl", "gloo"),
+        help="Megatron's flag: gloo with GPUs lets the ranks share them (compute on CUDA, every "
+        "message, ours and Megatron's, staged through host memory): one GPU runs --pp 2-4",
+    )
+    parser.add_argument(
+        "--pp-offload",
+        default="none",
+        help="comma list of our activation-offload policies (none, full, selective, auto): each "
+        "schedule runs with each, and without offload, the reference for the overhead",
+    )
+    parser.add_argument(
+        "--fine-grained-activation-offloading",
+        action="store_true",
+        help="Megatron's flag: against Megatron, the rows with --pp-offload run Megatron's schedule "
+        "with its fine-grained activation offloading of --offload-modules (CUDA and Transformer Engine)",
+    )
+    parser.add_argument(
+        "--offload-modules",
+        nargs="+",
+        default=[],
+        help="Megatron's flag: the modules whose inputs Megatron offloads (core_attn, attn_proj, "
+        "qkv_linear, attn_norm, mlp_norm, ...)",
+    )
+    parser.add_argument(
+        "--min-offloaded-tensor-size",
+        type=int,
+        default=1024,
+        help="Megatron's flag: its smallest offloaded tensor in bytes (default here 1024, the size "
+        "below which our runtime keeps tensors too; Megatron's own default is 1048576)",
+    )
     parser.add_argument(
         "--pp-emulate-nccl",
         action="store_true",
@@ -125,6 +158,72 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError(
             "--emulate", "emulated compute runs no model to compare with Megatron: drop --against"
         )
+    if args.distributed_backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--distributed-backend", "nccl needs GPUs and this machine has none: drop it")
+    modes = offload_modes(args.pp_offload)
+    if emulating(args) and (modes != ["none"] or args.distributed_backend):
+        flag = "--pp-offload" if modes != ["none"] else "--distributed-backend"
+        raise UsageError(flag, "emulated compute copies nothing and runs on no device: drop it")
+    check_fine_grained(args, modes)
+
+
+def offload_modes(text: str) -> list[str]:
+    """``--pp-offload none,full`` -> ["none", "full"]: none first always (the reference)."""
+    from ..schedule.offload import POLICIES
+
+    chosen = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [mode for mode in chosen if mode not in POLICIES]
+    if not chosen or unknown:
+        raise UsageError(
+            "--pp-offload", f"unknown policy {unknown or text!r}; choose from {', '.join(POLICIES)}"
+        )
+    return ["none", *dict.fromkeys(mode for mode in chosen if mode != "none")]
+
+
+def check_fine_grained(args: argparse.Namespace, modes: list[str]) -> None:
+    """Megatron's fine-grained activation offloading: its flags together, beside our offload rows,
+    and only where it runs (CUDA copy streams, Transformer Engine's cpu_offload module)."""
+    import importlib.util
+
+    if args.offload_modules and not args.fine_grained_activation_offloading:
+        raise UsageError(
+            "--offload-modules", "needs --fine-grained-activation-offloading (as in Megatron-LM)"
+        )
+    if not args.fine_grained_activation_offloading:
+        return
+    flag = "--fine-grained-activation-offloading"
+    if args.against != "megatron":
+        raise UsageError(flag, "runs Megatron's schedules: add --against megatron")
+    if not args.offload_modules:
+        raise UsageError(flag, "needs --offload-modules (for instance core_attn attn_proj)")
+    if modes == ["none"]:
+        raise UsageError(flag, "pairs with our offload rows: add --pp-offload full (or selective, auto)")
+    if args.min_offloaded_tensor_size < 0:
+        raise UsageError(
+            "--min-offloaded-tensor-size", f"must be at least 0, got {args.min_offloaded_tensor_size}"
+        )
+    import torch
+
+    missing = [
+        need
+        for need, present in (
+            ("a CUDA device (its copy streams)", torch.cuda.is_available()),
+            (
+                "Transformer Engine (its cpu_offload)",
+                importlib.util.find_spec("transformer_engine") is not None,
+            ),
+        )
+        if not present
+    ]
+    if missing:
+        raise UsageError(
+            flag,
+            f"megatron-core's fine-grained activation offloading needs {' and '.join(missing)}: "
+            "run it on a GPU machine with Transformer Engine, or drop the flag",
+        )
 
 
 def emulating(args: argparse.Namespace) -> bool:
@@ -142,9 +241,13 @@ def run(args: argparse.Namespace) -> int:
         return run_emulated(args)
     names = ordered_names(selected(args.schedules, args.against), args.against)
     rows = [
-        plan_row(name, args.pp, args.microbatches, args.model_size, args.against, args.pp_seq_slices)
+        plan_row(name, args.pp, args.microbatches, args.model_size, args.against, args.pp_seq_slices, mode)
         for name in names
+        for mode in offload_modes(args.pp_offload)
     ]
+    if args.fine_grained_activation_offloading:
+        # Megatron-LM asks for it with TE >= 2.10, "to avoid offloading weights"
+        os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "1")
     world = launcher_world()
     if world is not None and world[1] != args.pp:
         raise UsageError("--pp", f"the launcher started {world[1]} processes for --pp {args.pp}")
@@ -162,8 +265,16 @@ def run(args: argparse.Namespace) -> int:
         emulate_nccl=args.pp_emulate_nccl,
         against=args.against,
         count_calls=args.count_calls,
+        distributed_backend=args.distributed_backend,
+        offload_modules=tuple(args.offload_modules) if args.fine_grained_activation_offloading else (),
+        min_offloaded_tensor_size=args.min_offloaded_tensor_size,
     )
-    text = launch.run_for_results(worker, args.pp, lambda path: dataclasses.replace(settings, output=path))
+    try:  # more ranks than GPUs under NCCL: refused before any starts (check_gpus)
+        text = launch.run_for_results(
+            worker, args.pp, lambda path: dataclasses.replace(settings, output=path), args.distributed_backend
+        )
+    except launch.LaunchError as error:
+        raise UsageError("--pp", str(error)) from None
     if not text:  # another rank's process under torchrun/srun: rank 0 reports
         return 0
     results = json.loads(text)
@@ -173,6 +284,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(report.header(results))
         print(report.format_table(report.table_rows(results)))
+        offloaded = report.offload_rows(results)
+        if offloaded:
+            print("\nactivation offload against the same schedule without it (same run):")
+            print(report.format_table(offloaded))
     return 0
 
 
