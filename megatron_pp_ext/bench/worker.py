@@ -109,7 +109,7 @@ def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings)
     rows = []
     progress = tqdm(settings.rows, desc="bench", unit="run", disable=rank != 0, file=sys.stderr)
     for row in progress:
-        progress.set_postfix_str(row.name)
+        progress.set_postfix_str(row.name if row.offload == "none" else f"{row.name} offload={row.offload}")
         result = run_row(row, context)
         if result.pop("failed", False):
             context.open_channels()
