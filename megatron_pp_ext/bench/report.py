@@ -96,7 +96,10 @@ def offload_rows(results: dict[str, Any]) -> list[dict[str, str]]:
         if item.get("offload", "none") == "none":
             continue
         row = {"schedule": label_of(item)}
-        for side, label in (("ours", "ours"), ("megatron", "Megatron fine-grained")):
+        sides = [("ours", "ours")]
+        if results.get("against") == "megatron":
+            sides.append(("megatron", "Megatron fine-grained"))
+        for side, label in sides:
             now, before = item.get(side), item.get(f"{side}_plain")
             if now is None or before is None or "offload_overhead" not in now:
                 row[f"{label} peak (saved)"] = row[f"{label} overhead min/median/max"] = "-"

@@ -238,6 +238,9 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
         "ours_skip": skipped.get("ours", row.ours_skip),
         "notes": list(row.notes),
     }
+    for name in ("ours_plain", "megatron_plain"):  # an offload row's references
+        if name in skipped:
+            result[f"{name}_skip"] = skipped[name]
     baseline = s.against
     if baseline == "megatron":
         result["megatron_schedule"] = pair.label if pair else None
@@ -293,22 +296,26 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
         context.megatron_medians[row.name] = result["megatron"]["median_s"]
     for name in ("ours", "megatron"):  # an offload row's cost, round by round
         if name in jobs and f"{name}_plain" in jobs:
-            result[name]["offload_overhead"] = spread(times[name], times[f"{name}_plain"])
+            result[name]["offload_overhead"] = spread(ratios_of(times[name], times[f"{name}_plain"]))
             same = compare(first[name], first[f"{name}_plain"], "plain")
             result[name]["same_step_as_plain"] = same["match"]
     if "ours" in jobs and baseline in jobs:
-        ratios = [a / b for a, b in zip(times["ours"], times[baseline])]  # one per paired round
+        ratios = ratios_of(times["ours"], times[baseline])
         result["ratio"] = statistics.median(ratios)
         quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else None
         result["ratio_iqr"] = [quartiles[0], quartiles[2]] if quartiles else None
-        result[f"ours_over_{baseline}"] = spread(times["ours"], times[baseline])
+        result[f"ours_over_{baseline}"] = spread(ratios)
         result["check"] = compare(first["ours"], first[baseline], baseline)
     return result
 
 
-def spread(times: list[float], reference: list[float]) -> dict[str, float | int]:
-    """min / median / max over paired rounds of ``times`` over ``reference``."""
-    ratios = [a / b for a, b in zip(times, reference)]
+def ratios_of(times: list[float], reference: list[float]) -> list[float]:
+    """One ratio per paired round."""
+    return [a / b for a, b in zip(times, reference)]
+
+
+def spread(ratios: list[float]) -> dict[str, float | int]:
+    """min / median / max of per-round ratios (one per paired round)."""
     return {
         "min": min(ratios),
         "median": statistics.median(ratios),
