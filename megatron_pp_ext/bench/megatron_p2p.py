@@ -14,7 +14,6 @@ CPU nothing changes; every other name is torch's own object, and nothing outside
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -73,13 +72,8 @@ def install() -> None:
         return
     from megatron.core.pipeline_parallel import p2p_communication
 
-    distributed = types.ModuleType("torch.distributed")
-    distributed.__dict__.update(dist.__dict__)
-    distributed.isend = staged_isend  # type: ignore[attr-defined]
-    distributed.irecv = staged_irecv  # type: ignore[attr-defined]
-    view = types.ModuleType("torch")
-    view.__dict__.update(torch.__dict__)
-    view.__getattr__ = lambda name: getattr(torch, name)  # type: ignore[attr-defined]  # lazy ones
-    view.distributed = distributed  # type: ignore[attr-defined]
-    p2p_communication.torch = view  # type: ignore[attr-defined]
+    from ..megatron.cpu_shim import module_view
+
+    distributed = module_view(dist, isend=staged_isend, irecv=staged_irecv)
+    p2p_communication.torch = module_view(torch, distributed=distributed)  # type: ignore[attr-defined]
     _installed = True

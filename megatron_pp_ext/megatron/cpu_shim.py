@@ -61,13 +61,20 @@ def install_for_schedules() -> bool:
     if not _schedules_installed:
         from megatron.core.pipeline_parallel import schedules
 
-        view = types.ModuleType("torch")
-        view.__dict__.update(torch.__dict__)
-        view.__getattr__ = lambda name: getattr(torch, name)  # type: ignore[attr-defined]  # lazy ones
-        view.zeros = _zeros_on_cpu  # type: ignore[attr-defined]
-        schedules.torch = view  # type: ignore[attr-defined]
+        schedules.torch = module_view(torch, zeros=_zeros_on_cpu)  # type: ignore[attr-defined]
         _schedules_installed = True
     return True
+
+
+def module_view(module: types.ModuleType, **replaced: object) -> types.ModuleType:
+    """A module object with ``module``'s names (and its lazy ones, on access) except ``replaced``:
+    given to one megatron-core module as its ``torch``, it changes what that module calls and
+    nothing anywhere else."""
+    view = types.ModuleType(module.__name__)
+    view.__dict__.update(module.__dict__)
+    view.__getattr__ = lambda name: getattr(module, name)  # type: ignore[attr-defined]
+    view.__dict__.update(replaced)
+    return view
 
 
 def _zeros_on_cpu(*args: object, **kwargs: object) -> torch.Tensor:
