@@ -16,7 +16,7 @@ from ..schedule.nccl_check import check_nccl
 from ..schedule.offload import OffloadError, OffloadPolicy, apply_offload
 from ..schedule.run_costs import RunShape, run_costs
 
-# Both sizes fit the 2-core CPU machine; "small" makes compute, not Python overhead, dominate.
+# tiny and small fit the 2-core CPU machine ("small" makes compute, not Python overhead, dominate).
 MODEL_SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
         "model": dict(

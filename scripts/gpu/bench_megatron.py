@@ -24,6 +24,8 @@ from pathlib import Path
 
 import common
 
+from megatron_pp_ext.bench.report import label_of
+
 PP = 2
 MODULES = ["core_attn", "attn_proj", "qkv_linear", "attn_norm", "mlp_norm"]
 SCHEDULES = "1f1b,interleaved-1f1b,zb-h1,zb-h2,v-half,v-zb,dualpipev,seq1f1b,slimpipe"
@@ -45,14 +47,10 @@ def bench(extra: list[str]) -> dict:
         return json.loads(saved.read_text())
 
 
-def label(row: dict) -> str:
-    return row["schedule"] + ("" if row.get("offload", "none") == "none" else f" offload={row['offload']}")
-
-
 def problems(results: dict) -> list[str]:
     found = []
     for row in results["rows"]:
-        name = label(row)
+        name = label_of(row)
         for side in ("ours", "megatron"):
             if row.get(f"{side}_skip"):
                 found.append(f"{name}: {side} skipped ({row[f'{side}_skip']})")
@@ -83,7 +81,7 @@ def main() -> None:
     if found:
         common.fail("; ".join(found)[:300])
     ratios = [
-        f"{label(row)} {row['ours_over_megatron']['median']:.2f}"
+        f"{label_of(row)} {row['ours_over_megatron']['median']:.2f}"
         for row in results["rows"]
         if row.get("ours_over_megatron")
     ]
