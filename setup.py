@@ -19,7 +19,9 @@ setup(
         # transformers: --tokenizer-type HuggingFaceTokenizer (megatron-core's tokenizer reads it)
         "runtime": ["torch>=2.4", "megatron-core>=0.16,<0.17", "tensorboard>=2.14", "transformers>=4.40"],
         "dev": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
-        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        # transformer-engine: 2.3 defers weight gradients (delay_wgrad_compute), which B/W-split
+        # schedules on its layer spec need (checked at start, layer_spec.TE_WGRAD_VERSION)
+        "gpu": ["transformer-engine[pytorch]>=2.3", "flash-attn"],
         # What Megatron-LM's training package (pretrain_gpt.py, its argument parser) imports beyond
         # megatron-core; the tests of patches/ run it from ../shared/megatron-lm.
         "megatron-lm": ["six", "regex", "pydantic", "triton"],

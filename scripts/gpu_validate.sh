@@ -79,7 +79,8 @@ describe() {  # PHASE: sets CHECKS (what it checks), GPU, NEEDS (packages), TAKE
         TAKES="~4 min" ;;
     bw-split)
         CHECKS="one chunk's backward split into B (input gradient) and W (weight gradients) against the unsplit"
-        CHECKS+=" backward on CUDA, first/middle/last stage, gradients within one bf16 epsilon"
+        CHECKS+=" backward on CUDA, first/middle/last stage, gradients within one bf16 epsilon; on the local spec"
+        CHECKS+=" and on Transformer Engine's (TE's own deferred weight gradient, TE >= 2.3; SKIP without)"
         TAKES="~1 min" ;;
     offload)
         CHECKS="activation offload (copy streams, pinned host pool) under TORCH_CUDA_SANITIZER=1: gradients and"
@@ -311,7 +312,10 @@ phase_train_pp1() {  # about 30 s a run; 5 x 110 s at most
     gpu_step interleaved-offload 110 "$PY" "$G/train_step.py" -- --pp-schedule interleaved-1f1b --pp-offload full
 }
 
-phase_bw_split() { gpu_step b-then-w 300 "$PY" "$G/bw_split.py"; }
+phase_bw_split() {
+    gpu_step b-then-w 240 "$PY" "$G/bw_split.py"
+    gpu_step b-then-w-te 240 "$PY" "$G/bw_split.py" --spec te
+}
 
 phase_offload() { gpu_step sanitizer 540 env TORCH_CUDA_SANITIZER=1 "$PY" "$G/offload.py"; }
 

@@ -5,8 +5,9 @@ substitutions: core attention on PyTorch SDPA (Megatron's local DotProductAttent
 Megatron's linears replaced by subclasses whose weight gradient can be deferred to a W op (the
 B/W split; tensor and sequence parallel like Megatron's), and a torch norm that allows sequence
 parallelism (``norm.py``). :func:`block_spec` adds the final norm of the same kind. On a GPU
-with Transformer Engine importable, the TE spec is used instead; its weight gradients are then
-split by the generic path (computed at B, applied at W), see ``runtime/weight_grad.py``.
+with Transformer Engine importable, the TE spec is used instead; for a B/W split its linears are
+built with TE's own deferred weight gradient (TE >= :data:`TE_WGRAD_VERSION`), which our W ops
+drive (``runtime/te_wgrad.py``).
 Sequence-sliced schedules (Seq1F1B, SlimPipe, sliced ZB/V-shape) take ``sliced=True``: the same
 layer with SlicedCoreAttention as core attention.
 """
@@ -69,6 +70,24 @@ def te_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+# TE's delay_wgrad_compute / backward_dw, which megatron-core's TE wrappers pass on from this version
+TE_WGRAD_VERSION = "2.3.0"
+
+
+def te_wgrad_refusal(schedule_name: str) -> str | None:
+    """None when the installed Transformer Engine can defer weight gradients to W ops; else the
+    one line that says which version ``schedule_name`` needs."""
+    from megatron.core.utils import get_te_version, is_te_min_version
+
+    if is_te_min_version(TE_WGRAD_VERSION):
+        return None
+    return (
+        f"{schedule_name} defers weight gradients to W ops, which Transformer Engine does from "
+        f"{TE_WGRAD_VERSION} (delay_wgrad_compute); this machine has {get_te_version()}: "
+        f'pip install "transformer-engine[pytorch]>={TE_WGRAD_VERSION}", or use --transformer-impl local'
+    )
 
 
 def layer_spec(use_te: bool | None = None, sliced: bool = False) -> ModuleSpec:

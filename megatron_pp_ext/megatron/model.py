@@ -33,7 +33,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .layer_spec import block_spec, layer_spec
+from .layer_spec import block_spec, layer_spec, te_available, te_wgrad_refusal
 from .model_config import ModelConfig, split_layers
 from .rotary import DeviceRotaryEmbedding
 from .sliced import enable_slicing
@@ -129,6 +129,20 @@ def layer_offsets(layers_per_stage: list[int]) -> list[int]:
     return offsets
 
 
+def defer_weight_gradients(config: TransformerConfig) -> None:
+    """Have megatron-core's TE linears built with TE's deferred weight gradient (our W ops run
+    ``backward_dw``, ``runtime/te_wgrad.py``). Set after the config's own checks:
+    ``TransformerConfig`` accepts ``delay_wgrad_compute`` only with
+    ``overlap_moe_expert_parallel_comm`` (its one user in megatron-core 0.16, the MoE EP-overlap
+    schedule); the field is read only by the TE wrappers (at build and in ``backward_dw``) and by
+    that schedule and CUDA-graph capture, which our chunks do not run. Refused, in one line, where
+    the installed TE is older than the wrappers need."""
+    refusal = te_wgrad_refusal("a B/W-split schedule")
+    if refusal is not None:
+        raise ValueError(refusal)
+    config.delay_wgrad_compute = True
+
+
 def _device() -> torch.device:
     return (
         torch.device("cuda", torch.cuda.current_device())
@@ -144,11 +158,15 @@ def _gpt(
     post_process: bool,
     use_te: bool | None,
     sliced: bool = False,
+    defer_te_wgrad: bool = False,
 ) -> GPTModel:
     # a stage of the embedding or the loss alone builds no layer; megatron-core's config takes
     # at least one (it scales the initial weights by it; ours are copied from the reference)
     config = transformer_config(model, max(1, num_layers))
     sliced = sliced or config.context_parallel_size > 1  # our sliced attention runs CP, sliced or not
+    use_te = te_available() if use_te is None else use_te
+    if use_te and defer_te_wgrad:
+        defer_weight_gradients(config)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(layer_spec(use_te, sliced=sliced), num_layers),
@@ -179,14 +197,17 @@ def build_stage(
     layers_per_stage: list[int],
     use_te: bool | None = None,
     sliced: bool = False,
+    defer_te_wgrad: bool = False,
 ) -> GPTModel:
     """The GPTModel of virtual stage ``stage`` (embedding on stage 0, loss on the last).
     ``sliced``: sliced core attention and its SliceContext, for sequence-sliced schedules (always
-    under context parallelism: that attention runs it, with one slice for unsliced schedules)."""
+    under context parallelism: that attention runs it, with one slice for unsliced schedules).
+    ``defer_te_wgrad``: a schedule with a B/W split; Transformer Engine linears are then built
+    with TE's deferred weight gradient (:func:`defer_weight_gradients`)."""
     last = len(layers_per_stage) - 1
     if not 0 <= stage <= last:
         raise ValueError(f"stage {stage} out of range 0..{last}")
-    return _gpt(model, layers_per_stage[stage], stage == 0, stage == last, use_te, sliced)
+    return _gpt(model, layers_per_stage[stage], stage == 0, stage == last, use_te, sliced, defer_te_wgrad)
 
 
 def build_chunks(
@@ -196,12 +217,17 @@ def build_chunks(
     layers_per_stage: list[int] | None = None,
     use_te: bool | None = None,
     sliced: bool = False,
+    defer_te_wgrad: bool = False,
 ) -> list[GPTModel]:
     """This rank's model chunks under ``placement`` (a schedule's ``Placement``), in chunk order:
     the list the runtime and Megatron's ``model`` argument expect. ``sliced`` for schedules
-    with sequence slices (a schedule's ``slices > 1``)."""
+    with sequence slices (a schedule's ``slices > 1``), ``defer_te_wgrad`` for those with a B/W
+    split (a schedule's ``splits_backward``)."""
     layers = split_layers(model.num_layers, placement.num_stages, layers_per_stage)
-    return [build_stage(model, stage, layers, use_te, sliced) for stage in placement.stages_of(rank)]
+    return [
+        build_stage(model, stage, layers, use_te, sliced, defer_te_wgrad)
+        for stage in placement.stages_of(rank)
+    ]
 
 
 def build_reference(model: ModelConfig, use_te: bool | None = None, sliced: bool = False) -> GPTModel:
@@ -240,12 +266,13 @@ def build_chunks_from(
     layers_per_stage: list[int] | None = None,
     use_te: bool | None = None,
     sliced: bool = False,
+    defer_te_wgrad: bool = False,
 ) -> tuple[list[GPTModel], dict[int, str]]:
     """This rank's chunks (as :func:`build_chunks`) with ``reference``'s weights, and, for each
     of their parameters (by ``id``), its name in the reference: the pipelined copy of one
     single-process model, whatever the placement."""
     offsets = layer_offsets(split_layers(model.num_layers, placement.num_stages, layers_per_stage))
-    chunks = build_chunks(model, placement, rank, layers_per_stage, use_te, sliced)
+    chunks = build_chunks(model, placement, rank, layers_per_stage, use_te, sliced, defer_te_wgrad)
     names: dict[int, str] = {}
     for stage, chunk in zip(placement.stages_of(rank), chunks):
         copy_from_reference(reference, chunk, offsets[stage])

@@ -63,7 +63,11 @@ REFUSED_FLAGS = (
         "--overlap-moe-expert-parallel-comm",
         "it needs Megatron's own combined 1F1B schedule",
     ),
-    ("delay_wgrad_compute", "--delay-wgrad-compute", "zero-bubble schedules (--pp-schedule zb-*) split W"),
+    (
+        "delay_wgrad_compute",
+        "--delay-wgrad-compute",
+        "B/W-split schedules (zb-*, v-*, dualpipev) defer weight gradients themselves, on TE's spec too",
+    ),
     ("use_torch_fsdp2", "--use-torch-fsdp2", "use Megatron's DDP (with --use-distributed-optimizer)"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "use Megatron's DDP (with --use-distributed-optimizer)"),
 )
@@ -202,12 +206,7 @@ def check_args(args: Any) -> None:
             "where Megatron's embedding group cannot tie them: add --untie-embeddings-and-output-weights",
             "--untie-embeddings-and-output-weights",
         )
-    if schedule.splits_backward and args.transformer_impl == "transformer_engine":
-        raise OptionError(
-            f"{schedule.name} defers weight gradients (B/W split), proven exact only on the local spec; "
-            "Transformer Engine's own deferred wgrad is not wired yet: add --transformer-impl local",
-            "--transformer-impl",
-        )
+    check_te_wgrad(args, schedule)
     if sliced_attention(args) and getattr(args, "create_attention_mask_in_dataloader", False):
         raise OptionError(
             "our sliced attention (sequence slices, context parallelism) is causal by construction: "
@@ -219,6 +218,29 @@ def check_args(args: Any) -> None:
         from ..schedule.models import megatron_shape
 
         options.slice_lengths(schedule, args.seq_length, megatron_shape(args))
+
+
+def defers_te_wgrad(args: Any, schedule: Any) -> bool:
+    """A B/W-split schedule on the Transformer Engine spec: TE's linears then defer their weight
+    gradients to our W ops (``runtime/te_wgrad.py``). False where TE does not import (Megatron
+    reports that itself)."""
+    import importlib.util
+
+    return (
+        schedule.splits_backward
+        and args.transformer_impl == "transformer_engine"
+        and importlib.util.find_spec("transformer_engine") is not None
+    )
+
+
+def check_te_wgrad(args: Any, schedule: Any) -> None:
+    """A B/W-split schedule on the TE spec needs a TE that defers weight gradients (train's rule)."""
+    if defers_te_wgrad(args, schedule):
+        from .layer_spec import te_wgrad_refusal
+
+        refusal = te_wgrad_refusal(schedule.name)
+        if refusal is not None:
+            raise OptionError(refusal, "--transformer-impl")
 
 
 def _check_vocab_args(args: Any) -> None:
@@ -361,6 +383,9 @@ def placed_model_provider(provider: Callable[..., Any]) -> Callable[..., Any]:
         if megatron_rank != rank:
             pg_collection = copy.copy(pg_collection)
             pg_collection.pp = StageRankGroup(pg_collection.pp, megatron_rank)
+        schedule = setup(args).schedule(args.pipeline_model_parallel_size, num_microbatches(args))
+        if defers_te_wgrad(args, schedule):
+            config = _deferring_config(args, config)
         with _final_norm_allowing_sequence_parallel():
             model = provider(
                 pre_process=stage == 0,
@@ -378,6 +403,23 @@ def placed_model_provider(provider: Callable[..., Any]) -> Callable[..., Any]:
         return model
 
     return build
+
+
+def _deferring_config(args: Any, config: Any) -> Any:
+    """The config gpt_builder would build (or was given), with TE's deferred weight gradient
+    on (``model.defer_weight_gradients``), so that its TE linears are built for our W ops."""
+    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training.yaml_arguments import core_transformer_config_from_yaml
+
+    from .model import defer_weight_gradients
+
+    if config is None:
+        if getattr(args, "yaml_cfg", None) is not None:
+            config = core_transformer_config_from_yaml(args, "language_model")
+        else:
+            config = core_transformer_config_from_args(args)
+    defer_weight_gradients(config)
+    return config
 
 
 def _placement_or_exit(args: Any) -> Placement:

@@ -178,7 +178,7 @@ def measure_op_memory(
         stage_input = None if input_tensor is None else input_tensor.detach().requires_grad_(True)
         input_hold = meter.hold(stage_input)
         get_attr_wrapped_model(chunk, "set_input_tensor")(stage_input)
-        with meter.saving():
+        with meter.saving(), store.forwarding():
             output = run_forward(chunk)
         forward = meter.live
         grad = torch.ones_like(output) if output.numel() == 1 else torch.randn_like(output)
@@ -236,7 +236,7 @@ def measure_slice_memory(
                 stage_input = stage_input.detach().requires_grad_(True)
             hold = meter.hold(stage_input)
             get_attr_wrapped_model(chunk, "set_input_tensor")(stage_input)
-            with context.running(0, j), meter.saving():
+            with context.running(0, j), meter.saving(), store.forwarding():
                 output = run_forward(chunk, j)
             units.append((stage_input, hold, output))
             forwards.append(meter.live - before)

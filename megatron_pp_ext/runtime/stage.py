@@ -13,6 +13,7 @@ ranks (see ``context_parallel.py``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,7 +149,8 @@ class StageRunner:
             with torch.no_grad():
                 output, loss_func = forward_step_func(data_iterator, self.chunk)
         else:
-            with saving(self.offload, self.meter, (self.stage, *key), input_tensor) as input_hold:
+            deferring = self.store.forwarding() if self.store is not None else nullcontext()
+            with saving(self.offload, self.meter, (self.stage, *key), input_tensor) as input_hold, deferring:
                 output, loss_func = forward_step_func(data_iterator, self.chunk)
         normalise = None
         if self.is_last and not self.computes_loss:

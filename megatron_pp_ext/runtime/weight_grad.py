@@ -13,19 +13,24 @@ wrapper, gradient-accumulation fusion), otherwise ``param.grad``.
 
 Outside a B op the wrapped linears behave like Megatron's: they return the weight gradient to
 autograd (BW ops, plain backward, the single-process reference).
+
+Transformer Engine's linears have their own deferral (``delay_wgrad_compute``, ``backward_dw``);
+the store drives it through :class:`~.te_wgrad.TELinears`, so a TE chunk splits B and W too.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import Tensor
+
+from .te_wgrad import TELinears
 
 Key = Any  # what one B op defers: the executor uses (microbatch, slice)
 
@@ -83,6 +88,7 @@ class WeightGradStore:
         self._pending: OrderedDict[Key, list[DeferredGrad]] = OrderedDict()
         self.on_hold: Callable[[Key, Sequence[Tensor]], None] | None = None
         self.on_release: Callable[[Key], None] | None = None
+        self.te: TELinears | None = None  # the chunk's deferring TE linears (attach_store)
 
     @property
     def deferring(self) -> bool:
@@ -95,15 +101,24 @@ class WeightGradStore:
             raise RuntimeError("WeightGradStore.collect is not reentrant")
         if key in self._pending:
             raise RuntimeError(f"weight gradients for {key} were already deferred and not yet applied")
+        te = self.te
+        queued = te.queued() if te else []
         collected: list[DeferredGrad] = []
         self._collecting = collected
         try:
-            yield collected
+            with te.deferring() if te else nullcontext():
+                yield collected
         finally:
             self._collecting = None
+        held = te.deferred(key, queued) if te else []
         self._pending[key] = collected
         if self.on_hold is not None:
-            self.on_hold(key, [t for item in collected for t in item.tensors])
+            self.on_hold(key, [t for item in collected for t in item.tensors] + held)
+
+    def forwarding(self) -> AbstractContextManager[None]:
+        """Around a forward whose backward may be a B: TE's linears decide at the forward already
+        whether a backward may defer (our own linears decide at the backward)."""
+        return self.te.deferring() if self.te else nullcontext()
 
     def defer(self, item: DeferredGrad) -> None:
         if self._collecting is None:
@@ -124,6 +139,8 @@ class WeightGradStore:
         with torch.no_grad():  # gradients are values, not graph: keep no GEMM input alive
             for item in items:
                 accumulate_grad(item.param, item.compute())
+            if self.te:
+                self.te.apply(key, accumulate_grad)
         if self.on_release is not None:
             self.on_release(key)
 
@@ -131,6 +148,8 @@ class WeightGradStore:
         return list(self._pending)
 
     def clear(self) -> None:
+        if self.te:
+            self.te.drop()
         for key in list(self._pending):
             self._pending.pop(key)
             if self.on_release is not None:
@@ -300,8 +319,12 @@ def attach_store(chunk: torch.nn.Module, store: WeightGradStore | None) -> list[
     them: the linears then run Megatron's own autograd function (no W op to defer to).
 
     GPTModel builds its output layer as a plain ColumnParallelLinear whatever the layer spec says,
-    so plain Megatron linears are switched to the deferrable subclass here (it adds no state)."""
-    covered: set[int] = set()
+    so plain Megatron linears are switched to the deferrable subclass here (it adds no state).
+    Transformer Engine linears built with ``delay_wgrad_compute`` are covered through
+    ``store.te``; without a store their deferral stays off, and with one a TE linear built
+    without it is refused (its full weight gradient would be computed in B)."""
+    te = TELinears(chunk, deferring=store is not None)
+    covered: set[int] = {id(weight) for weight in te.covered()} if store is not None else set()
     for module in chunk.modules():
         if type(module) in _DEFERRABLE:
             module.__class__ = _DEFERRABLE[type(module)]
@@ -311,6 +334,7 @@ def attach_store(chunk: torch.nn.Module, store: WeightGradStore | None) -> list[
                 covered.add(id(module.weight))
     if store is None:
         return []
+    store.te = te if te else None
     # Biases stay "uncovered": a bias added inside the linear is deferred by the linear (autograd
     # then reports no gradient for it at B), one added outside it gets its gradient at B.
     return [p for p in chunk.parameters() if p.requires_grad and id(p) not in covered]

@@ -242,8 +242,8 @@ SHAPE_KEYS = (
 
 
 def _check_transformer_impl(settings: TrainSettings, schedule: Any) -> None:
-    """``--transformer-impl transformer_engine`` needs TE importable on a GPU, and a schedule
-    without a B/W split (as the pretrain_gpt.py hook refuses it)."""
+    """``--transformer-impl transformer_engine`` needs TE importable on a GPU, and for a schedule
+    with a B/W split a TE that defers weight gradients (as the pretrain_gpt.py hook checks)."""
     if settings.transformer_impl != "transformer_engine":
         return
     from ..megatron import layer_spec  # torch and megatron-core
@@ -254,13 +254,9 @@ def _check_transformer_impl(settings: TrainSettings, schedule: Any) -> None:
             "transformer_engine needs Transformer Engine importable and a GPU: install it "
             '(pip install -e ".[gpu]") or use --transformer-impl local',
         )
-    if schedule.splits_backward:
-        raise UsageError(
-            "--transformer-impl",
-            f"{schedule.name} defers weight gradients (B/W split), which Transformer Engine's layers "
-            "do not give to W yet: use --transformer-impl local (fused SDPA attention, deferrable "
-            "linears)",
-        )
+    refusal = layer_spec.te_wgrad_refusal(schedule.name) if schedule.splits_backward else None
+    if refusal is not None:
+        raise UsageError("--transformer-impl", refusal)
 
 
 def _check_cp_length(length: int, settings: TrainSettings, flag: str, what: str) -> None:

@@ -73,6 +73,7 @@ def build_model(
         layer_list(settings),
         use_te=use_te,
         sliced=schedule.slices > 1,
+        defer_te_wgrad=schedule.splits_backward,
     )
     # Before DDP: the shard joins chunk 0's parameters (DDP, optimizer, clipping see it).
     vocab = _shard_vocabulary(settings, config, schedule, pipeline_rank, chunks, reference)

@@ -89,14 +89,13 @@ class TrainSettings:
         return self.micro_batch_size * self.microbatches * self.dp
 
     def use_te(self, splits_backward: bool) -> bool:
-        """Transformer Engine's layers: when asked for, else on a GPU where TE imports, for a
-        schedule without a B/W split (TE's deferred weight gradient is not wired to W yet, and
-        the generic split would compute TE's full weight gradient in B)."""
-        from ..megatron.layer_spec import te_available  # here: settings import no torch
+        """Transformer Engine's layers: when asked for, else on a GPU where TE imports, and for a
+        schedule with a B/W split only where TE can defer weight gradients to W (>= 2.3)."""
+        from ..megatron.layer_spec import te_available, te_wgrad_refusal  # settings import no torch
 
         if self.transformer_impl is not None:
             return self.transformer_impl == "transformer_engine"
-        return te_available() and not splits_backward
+        return te_available() and not (splits_backward and te_wgrad_refusal("") is not None)
 
 
 def load_settings(args: argparse.Namespace) -> TrainSettings:

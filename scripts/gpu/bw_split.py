@@ -12,9 +12,16 @@ The split changes when the weight-gradient GEMMs run, not what they compute, so 
 gradient and the stage input's gradient must agree with the unsplit backward's within one bf16
 epsilon, relative to the gradient's norm (the script reports how many are bitwise equal); B must
 leave every deferrable linear's weight gradient untouched, and W must leave nothing pending.
+
+``--spec te``: the same on Transformer Engine's layer spec, whose linears defer through TE's own
+``delay_wgrad_compute`` queue and ``backward_dw`` (``runtime/te_wgrad.py``; on CPU,
+tests/test_te_wgrad.py checks it against a double of TE). SKIP without TE, or with a TE older
+than the plugin's refusal names.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import common
 
@@ -39,14 +46,26 @@ def batch(model, device):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", choices=("local", "te"), default="local")
+    use_te = parser.parse_args().spec == "te"
     device = common.need_cuda()
     common.init_one_process()
     import torch
 
+    if use_te:
+        from megatron_pp_ext.megatron.layer_spec import te_available, te_wgrad_refusal
+
+        if not te_available():
+            common.skip("Transformer Engine does not import: the TE spec cannot be built")
+        refusal = te_wgrad_refusal("the B/W split")
+        if refusal is not None:
+            common.skip(refusal)
     from megatron_pp_ext.megatron.model import ModelConfig, build_stage, split_layers
     from megatron_pp_ext.megatron.steps import forward_step
     from megatron_pp_ext.runtime.memory import ActivationMeter
     from megatron_pp_ext.runtime.stage import LossRecord, StageRunner
+    from megatron_pp_ext.runtime.te_wgrad import te_store
     from megatron_pp_ext.runtime.weight_grad import (
         DeferrableColumnParallelLinear,
         DeferrableRowParallelLinear,
@@ -60,7 +79,7 @@ def main() -> None:
     problems, worst = [], 0.0
     for stage in range(STAGES):
         torch.manual_seed(stage)
-        chunk = build_stage(model, stage, layers)
+        chunk = build_stage(model, stage, layers, use_te=use_te, defer_te_wgrad=use_te)
         where = next(chunk.parameters()).device
         if where.type != device.type:
             common.fail(f"stage {stage} was built on {where}, not on {device}")
@@ -73,18 +92,23 @@ def main() -> None:
             store = WeightGradStore()
             runner = StageRunner(chunk, stage, STAGES, chunk.config, ActivationMeter(), store)
             deferrable = (DeferrableColumnParallelLinear, DeferrableRowParallelLinear)  # the output layer too
-            linears = [
-                m for m in chunk.modules() if isinstance(m, deferrable)
-            ]  # now that the runner made them
+            linears = [  # now that the runner made them; TE's linears with their own store
+                m for m in chunk.modules() if isinstance(m, deferrable) or te_store(m) is not None
+            ]
+            te_linears = [m for m in linears if te_store(m) is not None]
+            if use_te and not te_linears:
+                problems.append(f"stage {stage}: no Transformer Engine linear in the TE spec's chunk")
             runner.forward((0, 0), stage_input, forward_step, iter([data]), 1, LossRecord())
             input_grad = runner.backward((0, 0), output_grad, split=split)
             if split:
-                touched = [p for m in linears for p in m.parameters() if p.grad is not None]
+                weights = [w for m in linears for w in _weights(m)]
+                touched = [w for w in weights if w.grad is not None]
                 if touched:
                     problems.append(f"stage {stage}: B computed {len(touched)} linear weight gradients")
-                deferred = len(store._pending.get((0, 0), []))  # counted as the CPU test counts
+                # counted as the CPU test counts, plus what TE queued
+                deferred = len(store._pending.get((0, 0), [])) + sum(_queued(m) for m in te_linears)
                 runner.weight((0, 0))
-                if store.pending():
+                if store.pending() or any(_queued(m) for m in te_linears):
                     problems.append(f"stage {stage}: W left {store.pending()} pending")
             torch.cuda.synchronize(device)
             grads[split] = ({n: p.grad for n, p in chunk.named_parameters()}, input_grad)
@@ -111,7 +135,23 @@ def main() -> None:
         common.fail("; ".join(problems))
     if worst > tolerance:
         common.fail(f"B then W differs from BW by {worst:.2e} > {tolerance:.2e} (relative to the norm)")
-    common.passed(f"B then W equals BW on {STAGES} stages in bf16: worst relative error {worst:.1e}")
+    spec = "Transformer Engine" if use_te else "local"
+    common.passed(
+        f"B then W equals BW on {STAGES} stages ({spec} spec) in bf16: worst relative error {worst:.1e}"
+    )
+
+
+def _weights(module):
+    """A linear's weights (a TE linear's ``weight_names``; its layer-norm weight is not one)."""
+    names = getattr(module, "weight_names", None) or ("weight",)
+    return [w for name in names if (w := getattr(module, name, None)) is not None]
+
+
+def _queued(module) -> int:
+    from megatron_pp_ext.runtime.te_wgrad import te_store
+
+    store = te_store(module)
+    return 0 if store is None else store.context.qsize()
 
 
 if __name__ == "__main__":

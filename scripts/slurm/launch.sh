@@ -18,6 +18,7 @@
 #   TRAIN_ITERS LR MIN_LR WARMUP_ITERS WEIGHT_DECAY CLIP_GRAD SEED   (default: the config's)
 #   PP_SCHEDULE PP_CHUNKS PP_SEQ_SLICES PP_SLICE_PARTITION   (default: the config's pipeline section)
 #   PP_OFFLOAD (none|full|selective|auto), PP_ATTN_REDISTRIBUTION (0..1)
+#   TRANSFORMER_IMPL transformer_engine (default; B/W-split schedules need TE >= 2.3) | local
 #   USE_DISTRIBUTED_OPTIMIZER OVERLAP_GRAD_REDUCE (0|1, default: the config's), OVERLAP_PARAM_GATHER
 #                    (0|1, default 0: Megatron's --overlap-param-gather, with the distributed optimizer)
 #   DATA_PATH        Megatron data prefix(es) (a blend "0.7 /data/a_text_document 0.3 /data/b...");
@@ -175,10 +176,11 @@ ARGS+=(--pp-schedule "$PP_SCHEDULE")
 [[ -n "$PP_SLICE_PARTITION" ]] && ARGS+=(--pp-slice-partition "$PP_SLICE_PARTITION")
 [[ "$PP_OFFLOAD" != none ]] && ARGS+=(--pp-offload "$PP_OFFLOAD")
 [[ -n "$PP_ATTN_REDISTRIBUTION" ]] && ARGS+=(--pp-attn-redistribution "$PP_ATTN_REDISTRIBUTION")
-# Schedules that split backward into B and W (zb-*, v-*) defer weight gradients in the plugin's
-# linears, which replace Megatron's local spec only (Transformer Engine's own deferral is not
-# wired): the plugin refuses them with Transformer Engine.
-((LAYOUT_SPLITS_BACKWARD)) && ARGS+=(--transformer-impl local)
+# Transformer Engine's spec for every schedule (Megatron's default): schedules that split backward
+# into B and W (zb-*, v-*) run W through TE's own deferred weight gradient, which needs TE >= 2.3
+# (the plugin refuses an older one at start-up, naming it). TRANSFORMER_IMPL=local for the plugin's
+# own deferrable linears with SDPA attention.
+ARGS+=(--transformer-impl "${TRANSFORMER_IMPL:-transformer_engine}")
 ARGS+=(
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
     --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine

@@ -1,0 +1,312 @@
+"""The B/W split on Transformer Engine linears (``runtime/te_wgrad.py``), against a test double of
+TE's deferred weight gradient (``te_double.py``: TE needs CUDA; the GPU phase ``bw-split`` of
+``scripts/gpu_validate.sh`` runs the real one), and the TE-version refusal of both entry points.
+
+Each runtime check runs in a one-rank gloo process (Megatron needs its parallel state)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import check_ok, run_ranks
+from runtime_case import MICRO_BATCH, forward_step, make_batches, rel_error, tiny_model
+
+
+def _run(check: str, *args):
+    return check_ok(run_ranks(te_worker, 1, check, *args, timeout=120))[0]
+
+
+def te_worker(rank: int, world: int, check: str, *args):
+    from megatron_pp_ext.megatron.model import init_parallel_state
+
+    init_parallel_state(1)
+    return CHECKS[check](*args)
+
+
+def _chunk(stage: int, delay: bool = True, fused: bool = False):
+    from te_double import make_te_doubles
+
+    from megatron_pp_ext.megatron.model import build_stage, split_layers
+
+    model = tiny_model(4)
+    torch.manual_seed(0)
+    chunk = build_stage(model, stage, split_layers(model.num_layers, 3))
+    doubles = make_te_doubles(chunk, delay_wgrad_compute=delay, fused=fused)
+    shape = (model.seq_length, MICRO_BATCH, model.hidden_size)
+    return model, chunk, doubles, shape
+
+
+def _doubles(chunk) -> list[torch.nn.Module]:
+    from te_double import DoubleTELinear
+
+    return [m for m in chunk.modules() if isinstance(m, DoubleTELinear)]
+
+
+def _grads(chunk) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in chunk.named_parameters():
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        out[name] = grad.clone()
+    return out
+
+
+def _zero(chunk) -> None:
+    chunk.zero_grad(set_to_none=True)
+    for param in chunk.parameters():
+        if getattr(param, "main_grad", None) is not None:
+            param.main_grad.zero_()
+
+
+def _runner(chunk, stage: int, store, meter=None):
+    from megatron_pp_ext.runtime.memory import ActivationMeter
+    from megatron_pp_ext.runtime.stage import StageRunner
+
+    return StageRunner(chunk, stage, 3, chunk.config, meter or ActivationMeter(), store)
+
+
+def _split_equals_fused(stage: int, fused: bool) -> dict:
+    """F(0) F(1) B(0) BW(1) W(0) on TE doubles gives the gradients of BW(0) BW(1), and B leaves
+    the TE weights untouched; TE's queues are empty after the step."""
+    from megatron_pp_ext.runtime.stage import LossRecord
+    from megatron_pp_ext.runtime.weight_grad import WeightGradStore
+
+    model, chunk, doubles, shape = _chunk(stage, fused=fused)
+    batches = make_batches(model, 2)
+    torch.manual_seed(1)
+    inputs = [None if stage == 0 else torch.randn(shape) for _ in range(2)]
+    output_grads = [None if stage == 2 else torch.randn(shape) for _ in range(2)]
+    te_weights = [m.weight for m in _doubles(chunk)]
+    results = {}
+    for split in (False, True):
+        _zero(chunk)
+        store = WeightGradStore()
+        runner = _runner(chunk, stage, store)
+        for mb in range(2):
+            runner.forward((mb, 0), inputs[mb], forward_step, iter([batches[mb]]), 2, LossRecord())
+        input_grad = runner.backward((0, 0), output_grads[0], split=split)
+        if split:
+            untouched = all(w.grad is None and (not fused or not w.main_grad.any()) for w in te_weights)
+            queued = [m.wgrad_store.context.qsize() for m in _doubles(chunk)]
+        runner.backward((1, 0), output_grads[1], split=False)
+        if split:
+            runner.weight((0, 0))
+        results[split] = (_grads(chunk), input_grad)
+    errors = {n: rel_error(results[True][0][n], results[False][0][n]) for n in results[False][0]}
+    left = [m.wgrad_store.context.qsize() for m in _doubles(chunk)]
+    return {
+        "doubles": doubles,
+        "max_error": max(errors.values()),
+        "input_error": 0.0 if stage == 0 else rel_error(results[True][1], results[False][1]),
+        "untouched_in_b": untouched,
+        "queued_after_b": queued,
+        "left": left,
+        "pending": store.pending(),
+        "te_weights_nonzero": all(
+            results[True][0][n].abs().sum() > 0
+            for n, p in chunk.named_parameters()
+            if any(p is w for w in te_weights)
+        ),
+    }
+
+
+def _w_out_of_order() -> str:
+    from megatron_pp_ext.runtime.stage import LossRecord
+    from megatron_pp_ext.runtime.weight_grad import WeightGradStore
+
+    model, chunk, _, shape = _chunk(1)
+    batches = make_batches(model, 2)
+    runner = _runner(chunk, 1, WeightGradStore())
+    for mb in range(2):
+        runner.forward((mb, 0), torch.randn(shape), forward_step, iter([batches[mb]]), 2, LossRecord())
+    for mb in range(2):
+        runner.backward((mb, 0), torch.randn(shape), split=True)
+    try:
+        runner.weight((1, 0))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def _built_without_deferral() -> str:
+    from megatron_pp_ext.runtime.weight_grad import WeightGradStore
+
+    _, chunk, _, _ = _chunk(1, delay=False)
+    _runner(chunk, 1, None)  # no W ops on this chunk: accepted
+    try:
+        _runner(chunk, 1, WeightGradStore())
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _forward_without_deferral() -> str:
+    """A B after a forward that ran outside ``forwarding()`` is an error, not a dropped gradient."""
+    from megatron_pp_ext.runtime.weight_grad import WeightGradStore, attach_store, run_backward
+
+    model, chunk, _, shape = _chunk(0)
+    store = WeightGradStore()
+    uncovered = attach_store(chunk, store)
+    batch = make_batches(model, 1)[0]
+    output, _ = forward_step(iter([batch]), chunk)
+    try:
+        with store.collect("b"):
+            run_backward(output.sum(), None, uncovered)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def _no_store_runs_te_at_once() -> dict:
+    """A chunk without W ops (store None) whose TE linears were built deferring: BW computes
+    TE's weight gradients at once, nothing is queued."""
+    from megatron_pp_ext.runtime.stage import LossRecord
+
+    model, chunk, _, shape = _chunk(1)
+    runner = _runner(chunk, 1, None)
+    runner.forward((0, 0), torch.randn(shape), forward_step, iter(make_batches(model, 1)), 1, LossRecord())
+    runner.backward((0, 0), torch.randn(shape), split=False)
+    modules = _doubles(chunk)
+    return {
+        "queued": [m.wgrad_store.context.qsize() for m in modules],
+        "grads": all(m.weight.grad is not None for m in modules),
+        "enabled": [m.wgrad_store.enabled for m in modules],
+    }
+
+
+def _meter_sees_te_queue() -> dict:
+    """What TE's queue keeps from B until W is counted as live activation memory."""
+    from megatron_pp_ext.runtime.memory import ActivationMeter
+    from megatron_pp_ext.runtime.stage import LossRecord
+    from megatron_pp_ext.runtime.weight_grad import WeightGradStore
+
+    model, chunk, _, shape = _chunk(1)
+    meter = ActivationMeter()
+    meter.exclude(chunk.parameters())
+    runner = _runner(chunk, 1, WeightGradStore(), meter)
+    runner.forward((0, 0), torch.randn(shape), forward_step, iter(make_batches(model, 1)), 1, LossRecord())
+    after_forward = meter.live
+    runner.backward((0, 0), torch.randn(shape), split=True)
+    after_b = meter.live
+    runner.weight((0, 0))
+    return {"after_forward": after_forward, "after_b": after_b, "after_w": meter.live}
+
+
+CHECKS = {
+    "split": _split_equals_fused,
+    "order": _w_out_of_order,
+    "unbuilt": _built_without_deferral,
+    "forward": _forward_without_deferral,
+    "no_store": _no_store_runs_te_at_once,
+    "meter": _meter_sees_te_queue,
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_te_b_then_w_equals_bw(stage: int, fused: bool) -> None:
+    result = _run("split", stage, fused)
+    assert result["doubles"] > 0
+    assert result["max_error"] < 1e-6, result
+    assert result["input_error"] < 1e-6, result
+    assert result["untouched_in_b"], "B must leave TE's weight gradients to W"
+    assert result["queued_after_b"] == [1] * result["doubles"]
+    assert result["left"] == [0] * result["doubles"] and result["pending"] == []
+    assert result["te_weights_nonzero"]
+
+
+def test_te_w_out_of_b_order_is_refused() -> None:
+    message = _run("order")
+    assert "first in, first out" in message and "(0, 0)" in message, message
+
+
+def test_te_linear_built_without_deferral_is_refused_where_w_runs() -> None:
+    message = _run("unbuilt")
+    assert "built without delay_wgrad_compute" in message and "defer_te_wgrad=True" in message, message
+
+
+def test_b_after_a_forward_without_deferral_fails_loudly() -> None:
+    message = _run("forward")
+    assert "queued 0 weight gradients instead of 1" in message and "forwarding()" in message, message
+
+
+def test_chunk_without_w_ops_computes_te_weight_gradients_at_once() -> None:
+    result = _run("no_store")
+    assert result["grads"] and set(result["queued"]) == {0} and set(result["enabled"]) == {False}
+
+
+def test_activation_meter_counts_what_te_keeps_until_w() -> None:
+    result = _run("meter")
+    assert result["after_forward"] > result["after_b"] > 0, result
+    assert result["after_w"] == 0, result
+
+
+# ---- the TE-version refusal -------------------------------------------------------------------
+
+
+def _te_version(monkeypatch, version: str) -> None:
+    """Stand in an installed TE of ``version`` for megatron-core's version lookup."""
+    from megatron.core import utils
+    from packaging.version import Version
+
+    monkeypatch.setattr(utils, "get_te_version", lambda: Version(version))
+    monkeypatch.setattr(
+        utils, "is_te_min_version", lambda v, check_equality=True: Version(version) >= Version(v)
+    )
+
+
+def test_te_version_refusal_names_the_version(monkeypatch) -> None:
+    from megatron_pp_ext.megatron.layer_spec import te_wgrad_refusal
+
+    _te_version(monkeypatch, "2.2.0")
+    message = te_wgrad_refusal("zb-h1")
+    assert message is not None and "from 2.3.0" in message and "this machine has 2.2.0" in message
+    assert "--transformer-impl local" in message and "\n" not in message
+    _te_version(monkeypatch, "2.3.0")
+    assert te_wgrad_refusal("zb-h1") is None
+
+
+def test_model_build_sets_deferral_only_for_split_schedules_on_te(monkeypatch) -> None:
+    from megatron_pp_ext.megatron import model as model_module
+
+    config = model_module.transformer_config(tiny_model(2))
+    assert config.delay_wgrad_compute is False
+    _te_version(monkeypatch, "2.1.0")
+    with pytest.raises(ValueError, match="from 2.3.0"):
+        model_module.defer_weight_gradients(config)
+    _te_version(monkeypatch, "2.9.0")
+    model_module.defer_weight_gradients(config)  # past TransformerConfig's MoE-only assertion
+    assert config.delay_wgrad_compute is True
+
+
+def test_pretrain_gpt_check_refuses_an_old_te_for_split_schedules_only(monkeypatch) -> None:
+    """pretrain_gpt.py's check (``pretrain.check_te_wgrad``, run by Megatron's parser): the same
+    line as train's for a B/W-split schedule on the TE spec where TE is older than 2.3.0; nothing
+    where TE does not import (Megatron reports that) or for the local spec or 1F1B."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from megatron_pp_ext.megatron import pretrain
+    from megatron_pp_ext.megatron.hook import OptionError
+
+    zb = SimpleNamespace(name="zb-h1", splits_backward=True)
+    one_f_one_b = SimpleNamespace(name="1f1b", splits_backward=False)
+    te_args = SimpleNamespace(transformer_impl="transformer_engine")
+    local_args = SimpleNamespace(transformer_impl="local")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *rest: object() if name == "transformer_engine" else real_find_spec(name, *rest),
+    )
+    _te_version(monkeypatch, "2.2.0")
+    with pytest.raises(OptionError) as error:
+        pretrain.check_te_wgrad(te_args, zb)
+    assert error.value.flag == "--transformer-impl" and "from 2.3.0" in str(error.value)
+    pretrain.check_te_wgrad(local_args, zb)
+    pretrain.check_te_wgrad(te_args, one_f_one_b)
+    assert pretrain.defers_te_wgrad(te_args, zb) and not pretrain.defers_te_wgrad(te_args, one_f_one_b)
+    _te_version(monkeypatch, "2.3.0")
+    pretrain.check_te_wgrad(te_args, zb)
+    monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
+    assert pretrain.defers_te_wgrad(te_args, zb) is (real_find_spec("transformer_engine") is not None)
