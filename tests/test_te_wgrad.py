@@ -192,6 +192,64 @@ def _meter_sees_te_queue() -> dict:
     return {"after_forward": after_forward, "after_b": after_b, "after_w": meter.live}
 
 
+def _swap_first_two_ws(schedule, rank: int):
+    """``schedule`` with the first two W ops of ``rank`` swapped (valid, but not TE's order)."""
+    from megatron_pp_ext.schedule.ir import OpKind
+
+    ranks = [list(ops) for ops in schedule.ranks]
+    first, second = [i for i, op in enumerate(ranks[rank]) if op.kind == OpKind.W][:2]
+    ranks[rank][first], ranks[rank][second] = ranks[rank][second], ranks[rank][first]
+    return schedule.with_ranks(ranks)
+
+
+def pipeline_worker(rank: int, world: int, names: list[str]) -> dict:
+    """Each schedule on TE-double chunks (every rank) against the model without a pipeline; then
+    zb-h1 with two W ops swapped, refused before its first op on every rank."""
+    from te_double import make_te_doubles
+
+    from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
+    from megatron_pp_ext.runtime.executor import PipelineRuntime
+    from megatron_pp_ext.runtime.p2p import PipeComm
+    from megatron_pp_ext.runtime.reference import reference_step
+    from megatron_pp_ext.schedule.generators import generate
+
+    init_parallel_state(world)
+    model = tiny_model(num_layers=2 * world + 1)
+    m = 5  # not a multiple of p; DualPipeV needs 2p
+    batches = make_batches(model, m, seed=7)
+    torch.manual_seed(1234)
+    reference = build_reference(model)
+    reference_step(reference, forward_step, iter(batches), m)
+    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+    comm = PipeComm(timeout_s=60)
+    shape = (model.seq_length, MICRO_BATCH, model.hidden_size)
+    report: dict = {}
+    for name in names:
+        schedule = generate(name, world, m)
+        chunks, names_of = build_chunks_from(reference, model, schedule.placement, rank)
+        doubles = sum(make_te_doubles(chunk) for chunk in chunks)
+        runtime = PipelineRuntime(chunks, comm, shape, torch.float32)
+        runtime.step(schedule, forward_step, [iter(batches) for _ in chunks])
+        errors = {
+            names_of[id(p)]: rel_error(p.grad, ref_grads[names_of[id(p)]])
+            for chunk in chunks
+            for p in chunk.parameters()
+        }
+        queued = sum(m.wgrad_store.context.qsize() for chunk in chunks for m in _doubles(chunk))
+        report[name] = {"doubles": doubles, "worst": max(errors.values()), "queued": queued}
+    swapped = _swap_first_two_ws(generate("zb-h1", world, m), world - 1)
+    chunks, _ = build_chunks_from(reference, model, swapped.placement, rank)
+    for chunk in chunks:
+        make_te_doubles(chunk)
+    runtime = PipelineRuntime(chunks, comm, shape, torch.float32)
+    try:
+        runtime.step(swapped, forward_step, [iter(batches) for _ in chunks])
+        report["swapped"] = "no error"
+    except ValueError as error:
+        report["swapped"] = str(error)
+    return report
+
+
 CHECKS = {
     "split": _split_equals_fused,
     "order": _w_out_of_order,
@@ -310,3 +368,56 @@ def test_pretrain_gpt_check_refuses_an_old_te_for_split_schedules_only(monkeypat
     pretrain.check_te_wgrad(te_args, zb)
     monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
     assert pretrain.defers_te_wgrad(te_args, zb) is (real_find_spec("transformer_engine") is not None)
+
+
+# ---- TE's first-in first-out order in the schedules -------------------------------------------
+
+
+def test_every_split_generator_orders_each_stages_w_like_its_b() -> None:
+    """What TE's queue needs (``weight_order_error``), over every generator with a B/W split."""
+    from megatron_pp_ext.schedule.generators import SCHEDULES, generate
+    from megatron_pp_ext.schedule.validate import weight_order_error
+
+    checked = 0
+    for name, spec in sorted(SCHEDULES.items()):
+        for pp in (2, 3, 4):
+            vpp = spec.allowed_vpp[0] if spec.allowed_vpp else 2
+            for slices in (1, 2):
+                if slices < spec.min_slices(pp, vpp):
+                    continue
+                low = spec.min_microbatches(pp, vpp, slices)
+                for m in sorted({max(low, pp), max(low, 2 * pp), max(low, 2 * pp + 1)}):
+                    schedule = generate(name, pp, m, vpp=vpp, slices=slices)
+                    if schedule.splits_backward:
+                        assert weight_order_error(schedule) is None, (name, pp, m, slices)
+                        checked += 1
+    assert checked >= 30
+
+
+def test_w_out_of_b_order_is_named() -> None:
+    from megatron_pp_ext.schedule.generators import generate
+    from megatron_pp_ext.schedule.ir import OpKind, Schedule
+    from megatron_pp_ext.schedule.validate import weight_order_error
+
+    schedule = generate("zb-h1", 2, 4)
+    ranks = [list(ops) for ops in schedule.ranks]
+    ws = [i for i, op in enumerate(ranks[1]) if op.kind == OpKind.W]
+    first, second = ws[0], ws[1]
+    ranks[1][first], ranks[1][second] = ranks[1][second], ranks[1][first]
+    swapped = Schedule(**{**vars(schedule), "ranks": ranks})
+    error = weight_order_error(swapped)
+    assert error is not None and error.startswith("rank 1, stage 1: W of microbatch 1"), error
+
+
+def test_split_schedules_on_te_doubles_equal_the_model_without_a_pipeline() -> None:
+    """Two gloo ranks: ZB-H1, ZB-H2, V-ZB and DualPipeV on chunks whose transformer linears defer
+    through (a double of) TE's queue give the unpipelined model's gradients; a W order that is not
+    TE's is refused by every rank before the step."""
+    names = ["zb-h1", "zb-h2", "v-zb", "dualpipev"]
+    reports = check_ok(run_ranks(pipeline_worker, 2, names, timeout=240))
+    for rank, report in enumerate(reports):
+        for name in names:
+            assert report[name]["doubles"] > 0, (rank, name)
+            assert report[name]["worst"] < 1e-5, (rank, name, report[name])
+            assert report[name]["queued"] == 0, (rank, name)
+        assert "first in, first out" in report["swapped"] and "rank 1, stage" in report["swapped"], report

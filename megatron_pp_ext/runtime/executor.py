@@ -52,7 +52,7 @@ from ..schedule.lowering import lower
 from ..schedule.message_order import order_messages
 from ..schedule.models import megatron_shape
 from ..schedule.nccl_check import check_nccl
-from ..schedule.validate import validate
+from ..schedule.validate import validate, weight_order_error
 from .context_parallel import check_cp_slices, context_parallel_group, cp_size_of
 from .creation import Communicator
 from .features import (
@@ -393,7 +393,7 @@ class PipelineRuntime:
     ) -> dict[int, StageRunner]:
         """A StageRunner per stage of this rank, for one attempt."""
         deferring = {op.stage for op in lowered.ranks[self.rank] if op.kind in (OpKind.B, OpKind.W)}
-        return {
+        runners = {
             stage: StageRunner(
                 self.chunks[lowered.placement.chunk_index(stage)],
                 stage,
@@ -409,6 +409,15 @@ class PipelineRuntime:
             )
             for stage in lowered.placement.stages_of(self.rank)
         }
+        if any(runner.store is not None and runner.store.te for runner in runners.values()):
+            error = weight_order_error(lowered)  # before the step, not at its first W
+            if error is not None:
+                raise ValueError(
+                    f"{lowered.name}: {error}; Transformer Engine computes deferred weight gradients "
+                    "first in, first out: use a schedule that orders each stage's W like its B, or "
+                    "--transformer-impl local"
+                )
+        return runners
 
     def _slicing(
         self, step: _StepArgs, iterators: list[Iterator[Any] | None]

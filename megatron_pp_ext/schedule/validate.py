@@ -53,6 +53,30 @@ def is_valid(schedule: Schedule) -> bool:
     return True
 
 
+def weight_order_error(schedule: Schedule) -> str | None:
+    """Where a stage's W ops do not come in the order of its B ops (None: they all do).
+
+    Not a validity rule (our own weight-gradient store takes W in any order), but Transformer
+    Engine keeps deferred weight gradients in a first-in first-out queue per linear layer, so on
+    its layer spec each stage's W must follow its B order. Every split generator keeps it."""
+    for rank, ops in enumerate(schedule.ranks):
+        b_order: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        w_order: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for op in ops:
+            if op.kind == OpKind.B:
+                b_order[op.stage].append((op.microbatch, op.slice))
+            elif op.kind == OpKind.W:
+                w_order[op.stage].append((op.microbatch, op.slice))
+        for stage, ws in sorted(w_order.items()):
+            for w_unit, b_unit in zip(ws, b_order[stage]):
+                if w_unit != b_unit:
+                    return (
+                        f"rank {rank}, stage {stage}: W of microbatch {w_unit[0]} slice {w_unit[1]} comes "
+                        f"where B order has microbatch {b_unit[0]} slice {b_unit[1]}"
+                    )
+    return None
+
+
 def _where(rank: int, position: int) -> str:
     return f"rank {rank} position {position}"
 
