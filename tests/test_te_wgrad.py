@@ -337,10 +337,11 @@ def test_model_build_sets_deferral_only_for_split_schedules_on_te(monkeypatch) -
     assert config.delay_wgrad_compute is True
 
 
-def test_pretrain_gpt_check_refuses_an_old_te_for_split_schedules_only(monkeypatch) -> None:
+def test_pretrain_gpt_check_refuses_an_old_te_or_tp_overlap_for_split_schedules_only(monkeypatch) -> None:
     """pretrain_gpt.py's check (``pretrain.check_te_wgrad``, run by Megatron's parser): the same
-    line as train's for a B/W-split schedule on the TE spec where TE is older than 2.3.0; nothing
-    where TE does not import (Megatron reports that) or for the local spec or 1F1B."""
+    line as train's for a B/W-split schedule on the TE spec where TE is older than 2.3.0, and
+    ``--tp-comm-overlap`` refused with it; nothing where TE does not import (Megatron reports
+    that) or for the local spec or 1F1B."""
     import importlib.util
     from types import SimpleNamespace
 
@@ -366,6 +367,11 @@ def test_pretrain_gpt_check_refuses_an_old_te_for_split_schedules_only(monkeypat
     assert pretrain.defers_te_wgrad(te_args, zb) and not pretrain.defers_te_wgrad(te_args, one_f_one_b)
     _te_version(monkeypatch, "2.3.0")
     pretrain.check_te_wgrad(te_args, zb)
+    overlap = SimpleNamespace(transformer_impl="transformer_engine", tp_comm_overlap=True)
+    with pytest.raises(OptionError) as error:
+        pretrain.check_te_wgrad(overlap, zb)
+    assert error.value.flag == "--tp-comm-overlap", error.value
+    pretrain.check_te_wgrad(overlap, one_f_one_b)
     monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
     assert pretrain.defers_te_wgrad(te_args, zb) is (real_find_spec("transformer_engine") is not None)
 

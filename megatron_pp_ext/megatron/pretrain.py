@@ -234,13 +234,23 @@ def defers_te_wgrad(args: Any, schedule: Any) -> bool:
 
 
 def check_te_wgrad(args: Any, schedule: Any) -> None:
-    """A B/W-split schedule on the TE spec needs a TE that defers weight gradients (train's rule)."""
-    if defers_te_wgrad(args, schedule):
-        from .layer_spec import te_wgrad_refusal
+    """A B/W-split schedule on the TE spec needs a TE that defers weight gradients (train's rule),
+    and no Userbuffers TP overlap: TE asserts ``ub_bulk_wgrad`` off where it defers, and its
+    deferred GEMM refuses Userbuffers."""
+    if not defers_te_wgrad(args, schedule):
+        return
+    from .layer_spec import te_wgrad_refusal
 
-        refusal = te_wgrad_refusal(schedule.name)
-        if refusal is not None:
-            raise OptionError(refusal, "--transformer-impl")
+    refusal = te_wgrad_refusal(schedule.name)
+    if refusal is not None:
+        raise OptionError(refusal, "--transformer-impl")
+    if getattr(args, "tp_comm_overlap", False):
+        raise OptionError(
+            f"{schedule.name} defers weight gradients through Transformer Engine, which does not "
+            "defer them under Userbuffers TP overlap: drop --tp-comm-overlap, or use "
+            "--transformer-impl local",
+            "--tp-comm-overlap",
+        )
 
 
 def _check_vocab_args(args: Any) -> None:
