@@ -59,7 +59,10 @@ def parallel_flags(plan: PlanResult) -> list[str]:
     if c.recompute == "full":
         flags += RECOMPUTE_FLAGS
     if splits_backward(c.schedule):
-        flags += ["--transformer-impl", "local"]  # the plugin's B/W split runs on the local spec
+        # the memory the plan was predicted with: the local spec's deferrable linears keep this
+        # rank's sequence share until W (TE's own deferral keeps the SP-gathered input; it runs
+        # too, from TE 2.3, but the planner does not model it)
+        flags += ["--transformer-impl", "local"]
     return flags
 
 
