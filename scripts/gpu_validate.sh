@@ -74,8 +74,9 @@ describe() {  # PHASE: sets CHECKS (what it checks), GPU, NEEDS (packages), TAKE
         CHECKS+=" memory; torch.cuda.is_available(); bf16; NCCL version and a one-rank NCCL all-reduce"
         GPU="no (its GPU checks SKIP without one)" TAKES="~1 min" ;;
     train-pp1)
-        CHECKS="megatron-pp-ext train at pipeline size 1 in bf16, 5 iterations each, losses printed: 1f1b, zb-h1,"
-        CHECKS+=" seq1f1b with 4 slices, 1f1b and interleaved-1f1b with --pp-offload full"
+        CHECKS="megatron-pp-ext train at pipeline size 1 in bf16, 5 iterations each, losses printed: 1f1b, zb-h1"
+        CHECKS+=" (local spec, and TE's spec where TE imports), seq1f1b with 4 slices, 1f1b and interleaved-1f1b"
+        CHECKS+=" with --pp-offload full"
         TAKES="~4 min" ;;
     bw-split)
         CHECKS="one chunk's backward split into B (input gradient) and W (weight gradients) against the unsplit"
@@ -302,14 +303,16 @@ phase_probe() {
     step nccl 180 "$PY" "$G/probe.py" nccl
 }
 
-phase_train_pp1() {  # about 30 s a run; 5 x 110 s at most
-    gpu_step 1f1b 110 "$PY" "$G/train_step.py" -- --pp-schedule 1f1b
-    gpu_step zb-h1 110 "$PY" "$G/train_step.py" -- --pp-schedule zb-h1
-    gpu_step seq1f1b-k4 110 "$PY" "$G/train_step.py" -- --pp-schedule seq1f1b --pp-seq-slices 4
-    gpu_step 1f1b-offload 110 "$PY" "$G/train_step.py" -- --pp-schedule 1f1b --pp-offload full
+phase_train_pp1() {  # about 30 s a run; 6 x 95 s at most
+    gpu_step 1f1b 95 "$PY" "$G/train_step.py" -- --pp-schedule 1f1b
+    gpu_step zb-h1 95 "$PY" "$G/train_step.py" -- --pp-schedule zb-h1 --transformer-impl local
+    # the B/W split on TE's spec: W through TE's own deferred weight gradient (SKIP without TE)
+    gpu_step zb-h1-te 95 "$PY" "$G/train_step.py" -- --pp-schedule zb-h1 --transformer-impl transformer_engine
+    gpu_step seq1f1b-k4 95 "$PY" "$G/train_step.py" -- --pp-schedule seq1f1b --pp-seq-slices 4
+    gpu_step 1f1b-offload 95 "$PY" "$G/train_step.py" -- --pp-schedule 1f1b --pp-offload full
     # at pipeline size 1, 1F1B runs each backward right after its forward, so full offload picks no
     # unit; interleaved 1F1B (2 chunks) keeps chunk 0's units across chunk 1's ops and offloads them
-    gpu_step interleaved-offload 110 "$PY" "$G/train_step.py" -- --pp-schedule interleaved-1f1b --pp-offload full
+    gpu_step interleaved-offload 95 "$PY" "$G/train_step.py" -- --pp-schedule interleaved-1f1b --pp-offload full
 }
 
 phase_bw_split() {

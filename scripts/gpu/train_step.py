@@ -8,8 +8,10 @@ runs ``python3 -m megatron_pp_ext train`` (the project from the working tree) at
 ``train --help`` lists: a missing flag fails the step, naming it; the command is never changed
 into another. bf16: train's ``--bf16`` (Megatron's flag).
 
-The step passes when train exits 0 and every loss is finite. With ``--pp-offload`` it also
-reports how many bytes were offloaded per iteration (0 means no unit was picked for offload).
+The step passes when train exits 0 and every loss is finite; it SKIPs when TRAIN_FLAGS ask for
+``--transformer-impl transformer_engine`` and Transformer Engine does not import. With
+``--pp-offload`` it also reports how many bytes were offloaded per iteration (0 means no unit was
+picked for offload).
 ``post_validation.py`` reuses :func:`run_train`.
 """
 
@@ -81,6 +83,11 @@ def main() -> None:
     args = parser.parse_args()
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     common.need_cuda()
+    if "transformer_engine" in flags:  # --transformer-impl transformer_engine asked for
+        from megatron_pp_ext.megatron.layer_spec import te_available
+
+        if not te_available():
+            common.skip("Transformer Engine does not import here: the TE spec's step cannot run")
     help_text = train_help()
     check_flags(flags, help_text)
     with tempfile.TemporaryDirectory(prefix="gpu_validate_train_") as scratch:
