@@ -140,6 +140,20 @@ def _built_without_deferral() -> str:
     return "no error"
 
 
+def _stale_queue() -> str:
+    """A TE queue still holding an entry when a step starts (a failed step not discarded)."""
+    from megatron_pp_ext.runtime.weight_grad import WeightGradStore
+
+    _, chunk, _, _ = _chunk(1)
+    stale = _doubles(chunk)[0]
+    stale.wgrad_store.context.put([[], lambda: (None, None)])
+    try:
+        _runner(chunk, 1, WeightGradStore())
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
 def _forward_without_deferral() -> str:
     """A B after a forward that ran outside ``forwarding()`` is an error, not a dropped gradient."""
     from megatron_pp_ext.runtime.weight_grad import WeightGradStore, attach_store, run_backward
@@ -255,6 +269,7 @@ CHECKS = {
     "order": _w_out_of_order,
     "unbuilt": _built_without_deferral,
     "forward": _forward_without_deferral,
+    "stale": _stale_queue,
     "no_store": _no_store_runs_te_at_once,
     "meter": _meter_sees_te_queue,
 }
@@ -281,6 +296,11 @@ def test_te_w_out_of_b_order_is_refused() -> None:
 def test_te_linear_built_without_deferral_is_refused_where_w_runs() -> None:
     message = _run("unbuilt")
     assert "built without delay_wgrad_compute" in message and "defer_te_wgrad=True" in message, message
+
+
+def test_a_te_queue_left_from_an_earlier_step_is_refused() -> None:
+    message = _run("stale")
+    assert "still holds 1 deferred weight gradients of an earlier step" in message, message
 
 
 def test_b_after_a_forward_without_deferral_fails_loudly() -> None:

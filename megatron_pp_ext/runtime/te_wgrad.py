@@ -72,6 +72,12 @@ class TELinears:
                     "delay_wgrad_compute, so a B op would compute its full weight gradient: build "
                     "the chunk with defer_te_wgrad=True (megatron_pp_ext.megatron.model)"
                 )
+            if deferring and store.context.qsize():
+                raise RuntimeError(
+                    f"Transformer Engine linear {name} still holds {store.context.qsize()} deferred "
+                    "weight gradients of an earlier step that never reached W (a failed step not "
+                    "discarded): their W would now apply them to the wrong microbatches"
+                )
             self.modules.append(module)
             self.names.append(name)
         self.weights = [_named(m, getattr(m, "weight_names", ("weight",))) for m in self.modules]
