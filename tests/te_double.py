@@ -127,3 +127,13 @@ def make_te_doubles(chunk: torch.nn.Module, delay_wgrad_compute: bool = True, fu
                 count += 1
                 break
     return count
+
+
+def stand_in_te_version(monkeypatch: Any, version: str) -> None:
+    """Have megatron-core's TE version lookup (``get_te_version``, ``is_te_min_version``) report
+    an installed TE of ``version``, for the tests of the version refusal."""
+    from megatron.core import utils
+    from packaging.version import Version
+
+    monkeypatch.setattr(utils, "get_te_version", lambda: Version(version))
+    monkeypatch.setattr(utils, "is_te_min_version", lambda v, **_: Version(version) >= Version(v))

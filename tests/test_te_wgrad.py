@@ -10,6 +10,7 @@ import pytest
 import torch
 from dist_utils import check_ok, run_ranks
 from runtime_case import MICRO_BATCH, forward_step, make_batches, rel_error, tiny_model
+from te_double import stand_in_te_version
 
 
 def _run(check: str, *args):
@@ -56,6 +57,15 @@ def _zero(chunk) -> None:
     for param in chunk.parameters():
         if getattr(param, "main_grad", None) is not None:
             param.main_grad.zero_()
+
+
+def _error_of(call, kind: type[BaseException]) -> str:
+    """The message of the ``kind`` error ``call()`` raises, or "no error"."""
+    try:
+        call()
+    except kind as error:
+        return str(error)
+    return "no error"
 
 
 def _runner(chunk, stage: int, store, meter=None):
@@ -121,11 +131,7 @@ def _w_out_of_order() -> str:
         runner.forward((mb, 0), torch.randn(shape), forward_step, iter([batches[mb]]), 2, LossRecord())
     for mb in range(2):
         runner.backward((mb, 0), torch.randn(shape), split=True)
-    try:
-        runner.weight((1, 0))
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+    return _error_of(lambda: runner.weight((1, 0)), RuntimeError)
 
 
 def _built_without_deferral() -> str:
@@ -133,11 +139,7 @@ def _built_without_deferral() -> str:
 
     _, chunk, _, _ = _chunk(1, delay=False)
     _runner(chunk, 1, None)  # no W ops on this chunk: accepted
-    try:
-        _runner(chunk, 1, WeightGradStore())
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    return _error_of(lambda: _runner(chunk, 1, WeightGradStore()), ValueError)
 
 
 def _stale_queue() -> str:
@@ -147,11 +149,7 @@ def _stale_queue() -> str:
     _, chunk, _, _ = _chunk(1)
     stale = _doubles(chunk)[0]
     stale.wgrad_store.context.put([[], lambda: (None, None)])
-    try:
-        _runner(chunk, 1, WeightGradStore())
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+    return _error_of(lambda: _runner(chunk, 1, WeightGradStore()), RuntimeError)
 
 
 def _forward_without_deferral() -> str:
@@ -163,12 +161,12 @@ def _forward_without_deferral() -> str:
     uncovered = attach_store(chunk, store)
     batch = make_batches(model, 1)[0]
     output, _ = forward_step(iter([batch]), chunk)
-    try:
+
+    def b_op() -> None:
         with store.collect("b"):
             run_backward(output.sum(), None, uncovered)
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+
+    return _error_of(b_op, RuntimeError)
 
 
 def _no_store_runs_te_at_once() -> dict:
@@ -256,11 +254,9 @@ def pipeline_worker(rank: int, world: int, names: list[str]) -> dict:
     for chunk in chunks:
         make_te_doubles(chunk)
     runtime = PipelineRuntime(chunks, comm, shape, torch.float32)
-    try:
-        runtime.step(swapped, forward_step, [iter(batches) for _ in chunks])
-        report["swapped"] = "no error"
-    except ValueError as error:
-        report["swapped"] = str(error)
+    report["swapped"] = _error_of(
+        lambda: runtime.step(swapped, forward_step, [iter(batches) for _ in chunks]), ValueError
+    )
     return report
 
 
@@ -322,25 +318,14 @@ def test_activation_meter_counts_what_te_keeps_until_w() -> None:
 # ---- the TE-version refusal -------------------------------------------------------------------
 
 
-def _te_version(monkeypatch, version: str) -> None:
-    """Stand in an installed TE of ``version`` for megatron-core's version lookup."""
-    from megatron.core import utils
-    from packaging.version import Version
-
-    monkeypatch.setattr(utils, "get_te_version", lambda: Version(version))
-    monkeypatch.setattr(
-        utils, "is_te_min_version", lambda v, check_equality=True: Version(version) >= Version(v)
-    )
-
-
 def test_te_version_refusal_names_the_version(monkeypatch) -> None:
     from megatron_pp_ext.megatron.layer_spec import te_wgrad_refusal
 
-    _te_version(monkeypatch, "2.2.0")
+    stand_in_te_version(monkeypatch, "2.2.0")
     message = te_wgrad_refusal("zb-h1")
     assert message is not None and "from 2.3.0" in message and "this machine has 2.2.0" in message
     assert "--transformer-impl local" in message and "\n" not in message
-    _te_version(monkeypatch, "2.3.0")
+    stand_in_te_version(monkeypatch, "2.3.0")
     assert te_wgrad_refusal("zb-h1") is None
 
 
@@ -349,10 +334,10 @@ def test_model_build_sets_deferral_only_for_split_schedules_on_te(monkeypatch) -
 
     config = model_module.transformer_config(tiny_model(2))
     assert config.delay_wgrad_compute is False
-    _te_version(monkeypatch, "2.1.0")
+    stand_in_te_version(monkeypatch, "2.1.0")
     with pytest.raises(ValueError, match="from 2.3.0"):
         model_module.defer_weight_gradients(config)
-    _te_version(monkeypatch, "2.9.0")
+    stand_in_te_version(monkeypatch, "2.9.0")
     model_module.defer_weight_gradients(config)  # past TransformerConfig's MoE-only assertion
     assert config.delay_wgrad_compute is True
 
@@ -378,14 +363,14 @@ def test_pretrain_gpt_check_refuses_an_old_te_or_tp_overlap_for_split_schedules_
         "find_spec",
         lambda name, *rest: object() if name == "transformer_engine" else real_find_spec(name, *rest),
     )
-    _te_version(monkeypatch, "2.2.0")
+    stand_in_te_version(monkeypatch, "2.2.0")
     with pytest.raises(OptionError) as error:
         pretrain.check_te_wgrad(te_args, zb)
     assert error.value.flag == "--transformer-impl" and "from 2.3.0" in str(error.value)
     pretrain.check_te_wgrad(local_args, zb)
     pretrain.check_te_wgrad(te_args, one_f_one_b)
     assert pretrain.defers_te_wgrad(te_args, zb) and not pretrain.defers_te_wgrad(te_args, one_f_one_b)
-    _te_version(monkeypatch, "2.3.0")
+    stand_in_te_version(monkeypatch, "2.3.0")
     pretrain.check_te_wgrad(te_args, zb)
     overlap = SimpleNamespace(transformer_impl="transformer_engine", tp_comm_overlap=True)
     with pytest.raises(OptionError) as error:

@@ -284,8 +284,7 @@ def test_transformer_engine_is_used_where_it_can_run_the_schedule(monkeypatch, c
     else the local layers."""
     import dataclasses
 
-    from megatron.core import utils
-    from packaging.version import Version
+    from te_double import stand_in_te_version
 
     from megatron_pp_ext.cli import main
     from megatron_pp_ext.commands import train as train_command
@@ -295,14 +294,8 @@ def test_transformer_engine_is_used_where_it_can_run_the_schedule(monkeypatch, c
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--transformer-impl" in last and "needs Transformer Engine importable and a GPU" in last, last
 
-    def installed(version: str) -> None:
-        monkeypatch.setattr(utils, "get_te_version", lambda: Version(version))
-        monkeypatch.setattr(
-            utils, "is_te_min_version", lambda v, check_equality=True: Version(version) >= Version(v)
-        )
-
     monkeypatch.setattr(layer_spec, "te_available", lambda: True)
-    installed("2.2.0")
+    stand_in_te_version(monkeypatch, "2.2.0")
     argv = ["--pp-schedule", "zb-h1", "--transformer-impl", "transformer_engine"]
     with pytest.raises(
         train_command.UsageError, match=r"zb-h1 defers weight gradients .* from 2\.3\.0 .* 2\.2\.0"
@@ -311,7 +304,7 @@ def test_transformer_engine_is_used_where_it_can_run_the_schedule(monkeypatch, c
     train_command.settings_from_argv(["--pp-schedule", "1f1b", "--transformer-impl", "transformer_engine"])
     settings = train_command.settings_from_argv(["--pp-schedule", "zb-h1"])
     assert settings.use_te(splits_backward=True) is False and settings.use_te(splits_backward=False) is True
-    installed("2.3.0")
+    stand_in_te_version(monkeypatch, "2.3.0")
     assert train_command.settings_from_argv(argv).transformer_impl == "transformer_engine"
     assert settings.use_te(splits_backward=True) is True
     local = dataclasses.replace(settings, transformer_impl="local")
