@@ -35,6 +35,7 @@ CASES: list[tuple[str, str]] = [
     ("train --save <tmp>/a-file.txt", "--save"),
     ("train --load /nonexistent/checkpoints", "--load"),
     ("train --load <tmp>", "--load"),
+    ("train --load <tmp>/a-file.txt", "--load"),
     ("train --ckpt-step 5", "--ckpt-step"),
     ("train --save-interval 5", "--save-interval"),
     ("train --pp-zb-costs 1,x", "--pp-zb-costs"),

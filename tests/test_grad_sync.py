@@ -97,18 +97,23 @@ def test_ddp_chunks_without_config_functions_use_their_own() -> None:
     assert events.index("grad c1") < events.index("B0.1")
 
 
-def test_one_function_for_all_chunks_acts_after_the_last_of_them() -> None:
+def test_one_no_sync_covers_all_chunks_and_one_grad_sync_serves_each_chunk() -> None:
+    """A single ``no_sync_func`` is one context over every chunk; a single ``grad_sync_func`` is
+    called for each chunk with its own parameters after that chunk's last weight-gradient op, as
+    megatron-core's interleaved schedule copies it per chunk (``[func for _ in model]``)."""
     events: list[str] = []
     chunks = [FakeChunk("c0", events, overlap=False), FakeChunk("c1", events, overlap=False)]
-    calls: list[int] = []
-    config = SimpleNamespace(
-        no_sync_func=chunks[0].no_sync,
-        grad_sync_func=lambda params: calls.append(len(list(params))),
-        param_sync_func=None,
-    )
+    owners = {id(p): chunk.name for chunk in chunks for p in chunk.parameters()}
+
+    def grad_sync(params) -> None:
+        events.append("grad " + "+".join(owners[id(p)] for p in params))
+
+    config = SimpleNamespace(no_sync_func=chunks[0].no_sync, grad_sync_func=grad_sync, param_sync_func=None)
     _drive(GradSync(config, chunks, OPS, CHUNK_OF), OPS, events)
-    assert events[0] == "enter c0" and events[-1] == "exit c0"
-    assert calls == [2]  # once, over both chunks' parameters
+    assert events[0] == "enter c0" and events.count("enter c0") == 1
+    assert events[events.index("W3.1") + 1] == "grad c1"  # chunk 1 done at its last W
+    assert events[-3:] == ["W0.1", "exit c0", "grad c0"]
+    assert [e for e in events if e.startswith("grad")] == ["grad c1", "grad c0"]
 
 
 def test_forward_only_starts_no_reduction() -> None:

@@ -424,7 +424,7 @@ class Installed:
         from ..runtime import forward_backward
 
         models = kwargs["model"] if isinstance(kwargs["model"], (list, tuple)) else [kwargs["model"]]
-        runtime = self._runtime(models)
+        runtime = self._runtime(models, kwargs.get("pg_collection"), kwargs.get("p2p_communicator"))
         run = run_shape(self.model_shape(), kwargs.get("seq_length"), self.stage_layers())
         schedule = self.schedule(runtime.comm.size, kwargs["num_microbatches"], run)
         if self.options.offload == "auto":
@@ -512,16 +512,18 @@ class Installed:
             self._auto_offload[key] = self.options.with_offload(schedule, ratio)
         return self._auto_offload[key]
 
-    def _runtime(self, models: list[Any]) -> Any:
+    def _runtime(self, models: list[Any], pg_collection: Any = None, p2p_communicator: Any = None) -> Any:
+        """The runtime of these chunks, on the pipeline group of ``p2p_communicator`` or
+        ``pg_collection`` where the caller passes them (megatron-core's custom process groups),
+        else of Megatron's parallel state."""
         key = tuple(id(model) for model in models)
         if key not in self._runtimes:
             import torch.distributed as dist
-            from megatron.core import parallel_state
             from megatron.core.utils import get_model_config
 
             from ..runtime import PipeComm, PipelineRuntime
 
-            ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+            ranks = dist.get_process_group_ranks(pipeline_group(pg_collection, p2p_communicator))
             config = get_model_config(models[0])
             comm = PipeComm(
                 ranks=ranks,
@@ -531,12 +533,13 @@ class Installed:
             self._runtimes[key] = PipelineRuntime(
                 models,
                 comm,
-                (1, 1, config.hidden_size),
+                (1, 1, getattr(config, "hidden_size", None) or 1),  # each step gives its shape
                 config.pipeline_dtype or config.params_dtype,
                 config,
                 attn_redistribution=self.options.attn_redistribution,
                 vocab=self.vocab,
                 measure_memory=self.options.measure_memory,
+                cp_group=getattr(pg_collection, "cp", None),
             )
         return self._runtimes[key]
 
@@ -561,6 +564,22 @@ class Installed:
         for runtime in self._runtimes.values():
             runtime.comm.close()
         self._runtimes.clear()
+
+
+def pipeline_group(pg_collection: Any = None, p2p_communicator: Any = None) -> Any:
+    """The pipeline's process group: the caller's (``p2p_communicator.pp_group``, else
+    ``pg_collection.pp``), else Megatron's parallel state's; neither is one line naming both."""
+    for group in (getattr(p2p_communicator, "pp_group", None), getattr(pg_collection, "pp", None)):
+        if group is not None:
+            return group
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError(
+            "no pipeline group: pass pg_collection (with .pp) or p2p_communicator to the "
+            "forward_backward_func, or initialise megatron.core.parallel_state"
+        )
+    return parallel_state.get_pipeline_model_parallel_group()
 
 
 _active: Installed | None = None

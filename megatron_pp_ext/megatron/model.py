@@ -72,6 +72,8 @@ def transformer_config(model: ModelConfig, num_layers: int | None = None) -> Tra
         tensor_model_parallel_size=_tensor_parallel_size(),
         context_parallel_size=_context_parallel_size(),
         pipeline_model_parallel_size=1,
+        # a sent stage output's storage is freed (Megatron-LM sets it for every run)
+        deallocate_pipeline_outputs=True,
     )
     fields.update(model.extra)
     check_supported(SimpleNamespace(**fields))  # before Megatron's own, less specific, checks

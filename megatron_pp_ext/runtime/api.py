@@ -17,7 +17,8 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from ..schedule.ir import Schedule
-from .executor import PipelineRuntime
+from .executor import PipelineRuntime, ShapeFn
+from .forward_contract import timed
 
 
 def forward_backward(
@@ -50,32 +51,62 @@ def forward_backward(
             f"num_microbatches={num_microbatches} but schedule {schedule.name} was generated for "
             f"{schedule.microbatches}; regenerate it"
         )
-    if decoder_seq_length not in (None, seq_length):
-        raise ValueError("encoder-decoder models are not supported")
     if adjust_tensor_shapes_fn is not None:
-        raise ValueError("adjust_tensor_shapes_fn is not supported")
+        raise ValueError(
+            "adjust_tensor_shapes_fn is not supported by megatron_pp_ext's schedules (megatron-core's "
+            "interleaved schedule refuses it too): pass None"
+        )
     config = get_model_config(models[0])
-    hidden = config.hidden_size
-    result = runtime.step(
-        schedule,
-        forward_step_func,
-        data_iterator,
-        forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data,
-        tensor_shape=(seq_length, micro_batch_size, hidden),
-        gate=gate,
-    )
-    finalize = getattr(config, "finalize_model_grads_func", None)
-    if finalize is not None and not forward_only:
-        num_tokens = None
-        if config.calculate_per_token_loss:
-            # Megatron broadcasts the count from the last pipeline rank, but a V-shape schedule
-            # computes the loss on rank 0: sum it over the pipeline so every rank has it.
-            num_tokens = torch.as_tensor(result.num_tokens, dtype=torch.int, device=runtime.device)
-            pp_group = pg_collection.pp if pg_collection is not None else None
-            if pp_group is None and parallel_state.model_parallel_is_initialized():
-                pp_group = parallel_state.get_pipeline_model_parallel_group()
-            torch.distributed.all_reduce(num_tokens, group=pp_group)
-        kwargs = {"pg_collection": pg_collection} if pg_collection is not None else {}
-        finalize(models, num_tokens, force_all_reduce=force_all_reduce, **kwargs)
+    with timed(
+        config, "forward-backward", log_level=1, barrier=getattr(config, "barrier_with_L1_time", False)
+    ):
+        shape = message_shape(seq_length, decoder_seq_length, micro_batch_size, config, len(models))
+        result = runtime.step(
+            schedule,
+            forward_step_func,
+            data_iterator,
+            forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data,
+            tensor_shape=shape,
+            gate=gate,
+            first_val_step=first_val_step,
+        )
+        finalize = getattr(config, "finalize_model_grads_func", None)
+        if finalize is not None and not forward_only:
+            num_tokens = None
+            if config.calculate_per_token_loss:
+                # Megatron broadcasts the count from the last pipeline rank, but a V-shape schedule
+                # computes the loss on rank 0: sum it over the pipeline so every rank has it.
+                num_tokens = torch.as_tensor(result.num_tokens, dtype=torch.int, device=runtime.device)
+                pp_group = pg_collection.pp if pg_collection is not None else None
+                if pp_group is None and parallel_state.model_parallel_is_initialized():
+                    pp_group = parallel_state.get_pipeline_model_parallel_group()
+                torch.distributed.all_reduce(num_tokens, group=pp_group)
+            kwargs = {"pg_collection": pg_collection} if pg_collection is not None else {}
+            finalize(models, num_tokens, force_all_reduce=force_all_reduce, **kwargs)
     return result.losses
+
+
+def message_shape(
+    seq_length: int | None,
+    decoder_seq_length: int | None,
+    micro_batch_size: int | None,
+    config: Any,
+    chunks: int,
+) -> tuple[int, int, int] | ShapeFn:
+    """The activation shape between stages, as megatron-core's schedules take it: with one chunk
+    per rank ``decoder_seq_length`` when given (its 1F1B's ``get_tensor_shapes``), with several
+    ``seq_length`` (its interleaved schedule ignores ``decoder_seq_length``). Without the
+    sizes (Megatron's no-pipelining path passes None) a step that sends nothing runs, and the
+    first message names what is missing."""
+    sequence = decoder_seq_length if chunks == 1 and decoder_seq_length is not None else seq_length
+    hidden = getattr(config, "hidden_size", None)
+    sizes = {"seq_length": sequence, "micro_batch_size": micro_batch_size, "config.hidden_size": hidden}
+    missing = [name for name, value in sizes.items() if value is None]
+    if not missing:
+        return (int(sequence), int(micro_batch_size), int(hidden))
+
+    def unknown(op: Any) -> tuple[int, int, int]:
+        raise ValueError(f"{op} needs the message shape: pass {' and '.join(missing)}")
+
+    return unknown

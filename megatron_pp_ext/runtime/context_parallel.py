@@ -23,11 +23,19 @@ def cp_size_of(config: Any) -> int:
     return int(getattr(config, "context_parallel_size", 1) or 1)
 
 
-def context_parallel_group(config: Any) -> Any:
-    """Megatron's CP group when the chunks' config asks for CP > 1, else None."""
+def context_parallel_group(config: Any, group: Any = None) -> Any:
+    """Megatron's CP group when the chunks' config asks for CP > 1, else None. ``group``: the
+    caller's (a ``pg_collection.cp``), used instead of Megatron's parallel state."""
     size = cp_size_of(config)
     if size == 1:
         return None
+    if group is not None:
+        if dist.get_world_size(group) != size:
+            raise ValueError(
+                f"context_parallel_size={size} but the given context-parallel group has "
+                f"{dist.get_world_size(group)} ranks"
+            )
+        return group
     if not parallel_state.model_parallel_is_initialized():
         raise ValueError(
             f"context_parallel_size={size} needs Megatron's parallel state with that CP size "

@@ -53,6 +53,7 @@ from ..schedule.message_order import order_messages
 from ..schedule.models import megatron_shape
 from ..schedule.nccl_check import check_nccl
 from ..schedule.validate import validate, weight_order_error
+from . import sized_messages
 from .context_parallel import check_cp_slices, context_parallel_group, cp_size_of
 from .creation import Communicator
 from .features import (
@@ -64,6 +65,7 @@ from .features import (
     SlicingFeature,
     VocabFeature,
 )
+from .forward_contract import ForwardCall, check_first_val_step, checkpoint_argument, in_flight_limits, timed
 from .grad_sync import GradSync
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, OffloadStats
@@ -109,6 +111,10 @@ class _StepArgs:
     slice_batch: SliceFn | None
     vocab_parallel: bool
     plan: Plan  # SlimPipe's attention delegations (empty without)
+    first_val_step: bool | None = None  # Megatron's: FP8 weight refresh in forward-only steps
+    # microbatches in flight per stage of this rank (partial activation checkpoints; empty without)
+    in_flight: dict[int, int] = field(default_factory=dict)
+    variable_shapes: bool = False  # config.variable_seq_lengths: messages carry their shape
 
 
 class _Replay:
@@ -170,7 +176,10 @@ class PipelineRuntime:
     TransformerConfig (``calculate_per_token_loss``, ``grad_scale_func``). ``attn_redistribution``
     is SlimPipe's cap on the attention a heavy slice hands to a partner (0..1, 0 off; sliced
     schedules only). ``vocab``: this rank's vocabulary-parallel setup
-    (``vocab_ops.setup_vocab_parallel``), needed by schedules with vocabulary ops."""
+    (``vocab_ops.setup_vocab_parallel``), needed by schedules with vocabulary ops.
+    ``deallocate_outputs``: free a stage output's storage once sent (Megatron's
+    ``deallocate_output_tensor``); None: as ``config.deallocate_pipeline_outputs``. ``cp_group``:
+    the context-parallel group where Megatron's parallel state has none (a ``pg_collection``)."""
 
     def __init__(
         self,
@@ -179,11 +188,12 @@ class PipelineRuntime:
         tensor_shape: Sequence[int] | ShapeFn,
         dtype: torch.dtype,
         config: Any = None,
-        deallocate_outputs: bool = True,
+        deallocate_outputs: bool | None = None,
         attn_redistribution: float = 0.0,
         vocab: VocabSetup | None = None,
         warm_up: bool = True,
         measure_memory: bool = True,
+        cp_group: Any = None,
     ) -> None:
         self.chunks = list(chunks)
         # count activation bytes (StepResult.peak_activation_bytes); off, the step pays nothing
@@ -201,6 +211,10 @@ class PipelineRuntime:
         self.shape_of = _shape_fn(tensor_shape)
         self.dtype = dtype
         self.config = config if config is not None else get_model_config(self.chunks[0])
+        # Megatron frees a sent stage output's storage only under deallocate_pipeline_outputs
+        # (Megatron-LM always sets it; train's models too)
+        if deallocate_outputs is None:
+            deallocate_outputs = bool(getattr(self.config, "deallocate_pipeline_outputs", False))
         self.deallocate_outputs = deallocate_outputs
         self.tensor_shape = tensor_shape
         self.device = next(self.chunks[0].parameters()).device
@@ -208,7 +222,7 @@ class PipelineRuntime:
         _check_parallel_state(comm.size)
         # Under sequence (context) parallelism a message holds this rank's 1/TP (1/CP) of the sequence.
         self.sequence_share = _sequence_share(self.config)
-        self.cp_group = context_parallel_group(self.config)
+        self.cp_group = context_parallel_group(self.config, cp_group)
         self.meter = ActivationMeter(enabled=measure_memory)
         self.offload = OffloadEngine(self.device)
         self.last_result: StepResult | None = None
@@ -229,6 +243,7 @@ class PipelineRuntime:
         slice_lengths: Sequence[int] | None = None,
         slice_batch: SliceFn | None = None,
         gate: Callable[[], bool] | None = None,
+        first_val_step: bool | None = None,
     ) -> StepResult:
         """Run ``schedule`` (lowered here if it is not) for this rank: one training step (or a
         forward-only pass) over ``schedule.microbatches`` microbatches. ``tensor_shape``
@@ -245,7 +260,10 @@ class PipelineRuntime:
         weights it rolled back, so the step restarts from its first op with the same data (and
         RNG state), after dropping the messages in flight at the gate. Steps whose setup
         communicates or moves state (vocabulary parallelism, attention redistribution, offload)
-        and forward-only steps take the gate before their first op."""
+        and forward-only steps take the gate before their first op.
+
+        ``first_val_step``: Megatron's, for forward-only steps (whether their first microbatch
+        refreshes Transformer Engine's FP8 weights; ``forward_contract.py``)."""
         if schedule.pp != self.comm.size:
             raise ValueError(
                 f"schedule {schedule.name} has pp={schedule.pp}, the pipeline has {self.comm.size} ranks"
@@ -279,6 +297,10 @@ class PipelineRuntime:
                 f"{self.vocab.variant}"
             )
 
+        variable = bool(getattr(self.config, "variable_seq_lengths", False))
+        if variable:
+            _check_variable_shapes(schedule, self.redistribution.cap)
+        partial = getattr(self.config, "num_microbatches_with_partial_activation_checkpoints", None)
         step = _StepArgs(
             schedule,
             lowered,
@@ -290,6 +312,9 @@ class PipelineRuntime:
             slice_batch,
             vocab_parallel,
             plan,
+            first_val_step,
+            {} if partial is None else in_flight_limits(lower(schedule), self.rank),
+            variable,
         )
         gate_at, in_flight = 0, []
         at_start = forward_only or gate_at_start(lowered, bool(self.redistribution.cap))
@@ -490,6 +515,26 @@ def _check_parallel_state(pp_size: int) -> None:
         )
 
 
+def _check_variable_shapes(schedule: Schedule, redistribution: float) -> None:
+    """``variable_seq_lengths`` runs whole-sequence schedules: slices, the vocabulary passes and
+    SlimPipe's exchanges are cut from one known sequence length."""
+    what = (
+        f"sequence slices ({schedule.name} with {schedule.slices})"
+        if schedule.slices > 1
+        else f"vocabulary parallelism ({schedule.vocab_parallel})"
+        if schedule.vocab_parallel != "none"
+        else "attention redistribution"
+        if redistribution
+        else None
+    )
+    if what is not None:
+        raise ValueError(
+            f"config.variable_seq_lengths is not supported with {what}: every microbatch of the "
+            "step must be cut from one sequence length; turn variable_seq_lengths off or run an "
+            "unsliced schedule without --pp-vocab-parallel and --pp-attn-redistribution"
+        )
+
+
 def _sequence_share(config: Any) -> int:
     """How many ranks share a message's sequence: TP under sequence parallelism, times CP
     (Megatron's ``get_tensor_shapes`` divides the sequence length the same way)."""
@@ -543,6 +588,8 @@ class _StepRun:
         self.iterators = iterators
         self.forward_step_func = step.forward_step_func
         self.forward_only = step.forward_only
+        self.step = step
+        self.config = runtime.config
         self.losses = LossRecord()
         # (kind, stage, microbatch, slice) -> (tensor, hold). Inbox: inputs of F (kind F) and
         # output gradients of B/BW (kind B) of *this* stage, received or still in flight.
@@ -631,10 +678,15 @@ class _StepRun:
         """Take the message of RECV ``op`` that a peer sent before it restarted, and drop it."""
         direction = "F" if op.kind == OpKind.RECV_F else "B"
         what = f"{op} (sent before a restart: dropped)"
-        comm = self.rt.comm
-        comm.post_recv(
-            self._message_shape(op), self.rt.dtype, self.rt.device, op.peer, direction, what
-        ).wait()
+        self.rt.comm.post_recv(*self._wire(op), self.rt.device, op.peer, direction, what).wait()
+
+    def _wire(self, op: Op) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the message of a SEND/RECV op: the tensor's, or, with variable
+        sequence lengths, the bytes of a message that carries its shape (``sized_messages.py``)."""
+        shape = self._message_shape(op)
+        if not self.step.variable_shapes:
+            return shape, self.rt.dtype
+        return (sized_messages.wire_size(shape, self.rt.dtype),), torch.uint8
 
     def _dispatch(self, op: Op) -> None:
         kind = op.kind
@@ -643,18 +695,15 @@ class _StepRun:
         elif kind in (OpKind.B, OpKind.BW):
             self._backward(op, split=kind == OpKind.B)
         elif kind == OpKind.W:
-            self.runners[op.stage].weight((op.microbatch, op.slice))
+            with timed(self.config, "backward-compute"):
+                self.runners[op.stage].weight((op.microbatch, op.slice))
         elif kind in (OpKind.RECV_F, OpKind.RECV_B):
             direction = "F" if kind == OpKind.RECV_F else "B"
-            posted = self.rt.comm.post_recv(
-                self._message_shape(op), self.rt.dtype, self.rt.device, op.peer, direction, str(op)
-            )
+            posted = self.rt.comm.post_recv(*self._wire(op), self.rt.device, op.peer, direction, str(op))
             hold = self.rt.meter.hold(posted.buffer)
             self.inbox[(direction, op.stage, op.microbatch, op.slice)] = (posted, hold)
         elif kind in (OpKind.SEND_F, OpKind.SEND_B):
-            direction = "F" if kind == OpKind.SEND_F else "B"
-            tensor, hold = self.outbox.pop((direction, op.stage, op.microbatch, op.slice))
-            self.rt.comm.send(tensor, op.peer, direction, str(op), on_done=hold.release)
+            self._send(op)
         elif kind == OpKind.OFFLOAD:
             self.rt.offload.offload(op.unit)
         elif kind == OpKind.RELOAD:
@@ -699,6 +748,20 @@ class _StepRun:
         sequence, batch, *_ = self.shape_of(op)
         return int(batch), int(sequence) // cp_size_of(self.rt.config)  # this CP rank's tokens
 
+    def _send(self, op: Op) -> None:
+        direction = "F" if op.kind == OpKind.SEND_F else "B"
+        tensor, hold = self.outbox.pop((direction, op.stage, op.microbatch, op.slice))
+        too_long = None
+        if self.step.variable_shapes:
+            capacity = self._message_shape(op)
+            if not sized_messages.fits(tensor, capacity):
+                too_long = sized_messages.too_long_message(str(op), tensor.shape, capacity)
+            tensor = sized_messages.pack(tensor, capacity, self.rt.comm.wire_device(tensor.device))
+        with timed(self.config, "forward-send" if direction == "F" else "backward-send"):
+            self.rt.comm.send(tensor, op.peer, direction, str(op), on_done=hold.release)
+        if too_long is not None:  # its header went out: the receiver names the shape too
+            raise PipelineError(f"rank {self.rt.rank}: {too_long}")
+
     def _take(self, direction: str, stage: int, op: Op) -> Tensor:
         item = self.inbox.pop((direction, stage, op.microbatch, op.slice), None)
         if item is None:
@@ -707,7 +770,14 @@ class _StepRun:
             )
         tensor, hold = item
         if isinstance(tensor, PostedRecv):
-            tensor = tensor.wait()  # posted by its RECV, in the step's message order
+            with timed(self.config, "forward-recv" if direction == "F" else "backward-recv"):
+                tensor = tensor.wait()  # posted by its RECV, in the step's message order
+            if self.step.variable_shapes:
+                capacity = self._message_shape(op)
+                try:
+                    tensor = sized_messages.unpack(tensor, self.rt.dtype, capacity, str(op))
+                except sized_messages.TooLong as error:
+                    raise PipelineError(f"rank {self.rt.rank}: {error}") from None
         hold.release()  # the runner holds what it keeps
         return tensor
 
@@ -724,7 +794,14 @@ class _StepRun:
         input_tensor = None if runner.is_first else self._take("F", op.stage, op)
         fed = self.vocab.embedding(op) if self.vocab is not None and runner.is_first else None
         chunk_index = self.schedule.placement.chunk_index(op.stage)
-        with self.slicing.running(chunk_index, op) if self.slicing else nullcontext():
+        step = self.step
+        call = ForwardCall(
+            op.microbatch,
+            check_first_val_step(step.first_val_step, self.forward_only, (op.microbatch, op.slice) == (0, 0)),
+            checkpoint_argument(self.config, step.in_flight, op.stage, op.microbatch),
+        )
+        slicing = self.slicing.running(chunk_index, op) if self.slicing else nullcontext()
+        with slicing, timed(self.config, "forward-compute"):
             output = runner.forward(
                 (op.microbatch, op.slice),
                 input_tensor,
@@ -735,6 +812,7 @@ class _StepRun:
                 self.forward_only,
                 self.collect_non_loss_data,
                 fed_input=fed,
+                call=call,
             )
         if output is None:
             return
@@ -752,7 +830,8 @@ class _StepRun:
             output_grad = self.vocab.output_grad(op) if self.vocab is not None else None
         else:
             output_grad = self._take("B", op.stage, op)
-        input_grad = runner.backward((op.microbatch, op.slice), output_grad, split)
+        with timed(self.config, "backward-compute"):
+            input_grad = runner.backward((op.microbatch, op.slice), output_grad, split)
         if not runner.is_first:
             if input_grad is None:
                 raise PipelineError(f"rank {self.rt.rank}: {op} produced no input gradient")

@@ -59,10 +59,14 @@ class GradSync:
         if grad_sync is None and all(_overlaps_grad_reduce(chunk) for chunk in self.chunks):
             grad_sync = [chunk.start_grad_sync for chunk in self.chunks]
         param_sync = getattr(config, "param_sync_func", None)
-        # A single callable for several chunks covers them together: one slot of all chunks.
+        # A single no_sync for several chunks covers them together (one slot of all chunks); a
+        # single grad or param sync function serves each chunk with its own parameters, as
+        # megatron-core's interleaved schedule copies it per chunk.
         self.no_sync, no_sync_slots = _per_slot(no_sync, count)
-        self.grad_sync, grad_sync_slots = _per_slot(None if forward_only else grad_sync, count)
-        self.param_sync, param_sync_slots = _per_slot(param_sync, count)
+        self.grad_sync, grad_sync_slots = _per_slot(
+            _per_chunk(None if forward_only else grad_sync, count), count
+        )
+        self.param_sync, param_sync_slots = _per_slot(_per_chunk(param_sync, count), count)
         last_weight: dict[int, int] = {}
         first_forward: dict[int, int] = {}
         for position, op in enumerate(ops):
@@ -120,6 +124,11 @@ class GradSync:
 def _overlaps_grad_reduce(chunk: torch.nn.Module) -> bool:
     config = getattr(chunk, "ddp_config", None)
     return bool(getattr(config, "overlap_grad_reduce", False)) and hasattr(chunk, "start_grad_sync")
+
+
+def _per_chunk(value: Any, count: int) -> Any:
+    """A single callable as one per chunk (megatron-core's ``[func for _ in model]``)."""
+    return [value] * count if callable(value) else value
 
 
 def _per_slot(value: Any, count: int) -> tuple[list[Callable[..., Any]] | None, list[list[int]]]:

@@ -129,7 +129,10 @@ class ActivationMeter:
             return
 
         def pack(tensor: Tensor) -> Any:
-            return _Saved(tensor, self.hold(tensor))
+            # a new tensor object on the same storage: the executor frees a stage output it has
+            # sent by swapping the object's storage (Megatron's deallocate_output_tensor), and
+            # an op that saved its own output (tanh, sigmoid) must still find the values
+            return _Saved(tensor.detach(), self.hold(tensor))
 
         def unpack(saved: Any) -> Tensor:
             return saved.tensor

@@ -306,7 +306,7 @@ class OffloadEngine:
 
     def _pack(self, unit: Unit, tensor: Tensor, bind: bool = False) -> _Saved:
         if not self._movable(tensor):
-            return _Saved(tensor=tensor, hold=self.meter.hold(tensor))
+            return _Saved(tensor=tensor.detach(), hold=self.meter.hold(tensor))  # see memory.saving
         storage = tensor.untyped_storage()
         stored = self._by_pointer.get(storage.data_ptr())
         if stored is None or stored.ref() is not storage:

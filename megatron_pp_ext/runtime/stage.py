@@ -1,7 +1,8 @@
 """Compute ops of one model chunk (virtual stage): F, B, W and BW, through Megatron's contract.
 
-A forward calls ``chunk.set_input_tensor(input)`` and then the user's
-``forward_step_func(data_iterator, chunk) -> (output, loss_func)``; on the last stage
+A forward calls ``chunk.set_input_tensor([input])`` and then the user's
+``forward_step_func(data_iterator, chunk) -> (output, loss_func)``, as Megatron's
+``forward_step`` does (``forward_contract.py``: first-microbatch, autocast, ...); on the last stage
 ``loss_func(output)`` returns ``(loss, num_tokens, reduced)`` or ``(loss, reduced)`` and the loss
 is normalised like Megatron's ``forward_step`` (by tokens unless ``calculate_per_token_loss``,
 and by the number of microbatches). The runner keeps what each unit needs until its backward.
@@ -18,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
 from .context_parallel import tokens_on_all_cp_ranks
+from .forward_contract import ForwardCall, call_forward_step
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, saving
 from .slicing import SliceLosses, combine_reports, sliced_loss
@@ -133,25 +134,30 @@ class StageRunner:
         forward_only: bool = False,
         collect_non_loss_data: bool = False,
         fed_input: Tensor | None = None,
+        call: ForwardCall | None = None,
     ) -> Tensor | None:
         """Run the forward of ``key``; return the output to hand to the next stage (None on the
         last stage, unless the loss is vocabulary parallel). ``fed_input``: a leaf the chunk
         reads by other means (the vocabulary-parallel word embedding), kept as the unit's input
-        so that its backward returns the leaf's gradient."""
+        so that its backward returns the leaf's gradient. ``call``: how Megatron would call
+        ``forward_step_func`` for it (``forward_contract.py``; default: the microbatch, not first)."""
         if fed_input is not None:
             input_tensor = fed_input
         elif input_tensor is not None and not forward_only:
             input_tensor = input_tensor.detach().requires_grad_(True)
-        get_attr_wrapped_model(self.chunk, "set_input_tensor")(
-            None if fed_input is not None else input_tensor
-        )
+        call = call or ForwardCall(key[0])
+        given = None if fed_input is not None else input_tensor
         if forward_only:
             with torch.no_grad():
-                output, loss_func = forward_step_func(data_iterator, self.chunk)
+                output, loss_func = call_forward_step(
+                    forward_step_func, data_iterator, self.chunk, self.config, given, call
+                )
         else:
             deferring = self.store.forwarding() if self.store is not None else nullcontext()
             with saving(self.offload, self.meter, (self.stage, *key), input_tensor) as input_hold, deferring:
-                output, loss_func = forward_step_func(data_iterator, self.chunk)
+                output, loss_func = call_forward_step(
+                    forward_step_func, data_iterator, self.chunk, self.config, given, call
+                )
         normalise = None
         if self.is_last and not self.computes_loss:
             self.loss_funcs[key] = loss_func

@@ -168,6 +168,9 @@ def _check_checkpoints(settings: TrainSettings) -> None:
         _check_writable(Path(settings.save))
     if settings.load is None:
         return
+    load = Path(settings.load)
+    if load.exists() and not load.is_dir():
+        raise UsageError("--load", f"{load} is not a directory: give the directory --save wrote")
     from ..megatron.checkpoint import CheckpointError, find_checkpoint, read_common  # torch
 
     flag = "--load" if settings.ckpt_step is None else "--ckpt-step"
