@@ -18,8 +18,9 @@ setup(
         # tensorboard: train's --tensorboard-dir (torch.utils.tensorboard writes through it);
         # transformers: --tokenizer-type HuggingFaceTokenizer (megatron-core's tokenizer reads it)
         "runtime": ["torch>=2.4", "megatron-core>=0.16,<0.17", "tensorboard>=2.14", "transformers>=4.40"],
-        # einops: megatron-core's HyperCommGrid (the contract tests' custom process groups)
-        "dev": ["pytest>=7", "hypothesis>=6", "ruff>=0.5", "einops"],
+        # einops: megatron-core's HyperCommGrid (the contract tests' custom process groups);
+        # pytest-xdist: the suite runs on two workers (pyproject's addopts)
+        "dev": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff>=0.5", "einops"],
         # transformer-engine: 2.3 defers weight gradients (delay_wgrad_compute), which B/W-split
         # schedules on its layer spec need (checked at start, layer_spec.TE_WGRAD_VERSION)
         "gpu": ["transformer-engine[pytorch]>=2.3", "flash-attn"],

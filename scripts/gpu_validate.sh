@@ -334,7 +334,8 @@ phase_pretrain_gpt() {
 }
 
 phase_cpu_suite() {
-    local command=(env CUDA_VISIBLE_DEVICES= "$PY" -m pytest -q -x -p no:cacheprovider -m "not slow and not heavy")
+    # -o addopts: no pytest-xdist workers (the wheels carried there need not include it)
+    local command=(env CUDA_VISIBLE_DEVICES= "$PY" -m pytest -q -x -p no:cacheprovider -o addopts=-ra -m "not slow and not heavy")
     if "$PY" -c 'import hypothesis' >/dev/null 2>&1; then
         step quick-subset 570 "${command[@]}"
     else

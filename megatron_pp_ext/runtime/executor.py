@@ -756,7 +756,8 @@ class _StepRun:
             capacity = self._message_shape(op)
             if not sized_messages.fits(tensor, capacity):
                 too_long = sized_messages.too_long_message(str(op), tensor.shape, capacity)
-            tensor = sized_messages.pack(tensor, capacity, self.rt.comm.wire_device(tensor.device))
+            wire = self.rt.comm.wire_device(tensor.device)
+            tensor = sized_messages.pack(tensor.to(self.rt.dtype), capacity, wire)  # read as rt.dtype
         with timed(self.config, "forward-send" if direction == "F" else "backward-send"):
             self.rt.comm.send(tensor, op.peer, direction, str(op), on_done=hold.release)
         if too_long is not None:  # its header went out: the receiver names the shape too
