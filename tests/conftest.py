@@ -4,9 +4,10 @@
   parametrised one runs only a *covering* subset of its cases: the fewest cases in which every
   value of every parameter appears at least once (greedy set cover, deterministic). A matrix
   of schedules x sizes x features keeps every schedule, every size and every feature, not their
-  cross product. Cases marked ``full`` (a whole matrix that a smaller sibling already covers)
-  and ``heavy`` are left to the full tier.
-- **full** (``python -m pytest -q --tier full``, CI's command): every case.
+  cross product. The tests ``tiers.FULL_ONLY`` names (each with the quicker test that keeps its
+  feature) and cases marked ``full`` are left to the full tier.
+- **full** (``python -m pytest -q --tier full``, CI's command): every case. ``heavy`` cases stay
+  out of both (``-m heavy`` runs them), as before.
 
 Nothing else differs: the same assertions run on the cases each tier keeps. At the end of a run
 the plugin prints the tier, its wall time and test count, and its slowest tests.

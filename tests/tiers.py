@@ -57,6 +57,7 @@ FULL_ONLY: dict[str, str] = {
     "tests/test_bench.py::test_against_megatron_same_step_paired_rounds": "bench against megatron-core",
     "tests/test_bench.py::test_bad_flags_fail_before_launch[[]args[12]*": "more bad bench flags",
     "tests/test_gpu_validate.py::test_probe_without_gpu_skips_the_gpu_checks_and_appends_to_docs": "GPU probe",
+    "tests/test_tiers.py::test_every_full_only_pattern_and_first_file_names_collected_tests": "a whole collection",
     # schedule shapes at p = 16: p up to 12 stay quick
     "tests/test_schedule_fidelity.py::*[[]16-*": "p = 16",
 }
