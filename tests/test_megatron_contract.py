@@ -22,6 +22,7 @@ import contract_model as cm
 import pytest
 import torch
 from dist_utils import check_ok, run_ranks
+from runtime_case import rel_error
 
 WORLD = 2
 MEGATRON = "megatron"
@@ -89,6 +90,7 @@ def _run(rank: int, case: dict, pg_collection: Any = None, p2p_communicator: Any
             p2p_timeout=60,
             emulate_nccl=case.get("emulate_nccl", False),
             chunks=case.get("chunks"),
+            slices=case.get("slices", 1),
         )
         placement = installed.schedule(world, microbatches).placement
         mine = sorted(placement.stages_of(rank), key=placement.chunk_index)
@@ -233,6 +235,7 @@ ONLY_OURS = {
     "variable-nccl": {**VARIABLE, "side": "zb-h1", "emulate_nccl": True},
     "autocast": {**TRAIN_2, "side": "1f1b", "autocast": True},
     "adjust-shapes": {**TRAIN_2, "side": "1f1b", "adjust": True},
+    "variable-sliced": {**VARIABLE, "side": "seq1f1b", "slices": 2, "seq_length": 16},  # refused first
     # last: a failed step leaves messages behind
     "variable-too-long": {"microbatches": 2, "lengths": [8, 12], "side": "1f1b"},
 }
@@ -282,9 +285,13 @@ def _close(ours: Any, theirs: Any, what: str) -> None:
 def _grads_close(ours: dict, theirs: dict, what: str) -> None:
     assert ours.keys() == theirs.keys(), what
     for name, reference in theirs.items():
-        reference = torch.as_tensor(reference)
-        error = (torch.as_tensor(ours[name]) - reference).norm() / reference.norm().clamp(min=1e-30)
+        error = rel_error(torch.as_tensor(ours[name]), torch.as_tensor(reference))
         assert error <= TOLERANCE, f"{what}: gradient of {name} off by {error:.2e}"
+
+
+def _logged(events: dict[int, list[tuple]], kind: str) -> dict[int, list]:
+    """Per stage: the value of each ``kind`` event a chunk logged."""
+    return {stage: [e[1] for e in log if e[0] == kind] for stage, log in events.items()}
 
 
 def _forwards(results: list[dict]) -> dict[int, list[tuple]]:
@@ -313,13 +320,10 @@ def test_same_answers_as_megatron(case: str, ours: str) -> None:
         assert _merged(theirs, "grads")
     assert _forwards(mine) == _forwards(theirs)
     events = _merged(mine, "events")
-    assert all(value for log in events.values() for kind, value, *_ in log if kind == "input-is-list")
+    assert all(all(values) for values in _logged(events, "input-is-list").values())
     if case == "partial-checkpoints":
-        checkpoints = {s: [e[1] for e in log if e[0] == "checkpoint"] for s, log in events.items()}
-        reference = {
-            s: [e[1] for e in log if e[0] == "checkpoint"] for s, log in _merged(theirs, "events").items()
-        }
-        assert checkpoints == reference and any(True in v for v in reference.values())
+        reference = _logged(_merged(theirs, "events"), "checkpoint")
+        assert _logged(events, "checkpoint") == reference and any(True in v for v in reference.values())
 
 
 def test_first_microbatch_calls_follow_first_val_step() -> None:
@@ -391,15 +395,21 @@ def test_variable_length_longer_than_seq_length_is_named_on_both_ranks() -> None
     )
 
 
+def test_variable_lengths_with_slices_are_refused_in_one_line() -> None:
+    for result in _results()[("variable-sliced", "seq1f1b")]:
+        error = result.get("error", "")
+        assert "variable_seq_lengths" in error and "sequence slices" in error and "\n" not in error, error
+
+
 def test_enable_autocast_runs_the_forward_under_autocast_on_the_chunks_device() -> None:
     """megatron-core enters ``torch.autocast("cuda")`` (a no-op on CPU); ours enters it on the
     chunk's device, so a CPU run computes in autocast_dtype as a GPU run would."""
     for result in _results()[("autocast", "1f1b")]:
         assert "error" not in result, result.get("error")
-        flags = [value for log in result["events"].values() for kind, value, *_ in log if kind == "autocast"]
+        flags = [flag for values in _logged(result["events"], "autocast").values() for flag in values]
         assert flags and all(flags)
     plain = _merged(_results()[("train", "1f1b")], "events")
-    assert not any(value for log in plain.values() for kind, value, *_ in log if kind == "autocast")
+    assert not any(any(values) for values in _logged(plain, "autocast").values())
 
 
 def test_adjust_tensor_shapes_fn_is_refused_in_one_line() -> None:

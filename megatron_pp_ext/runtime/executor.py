@@ -228,6 +228,7 @@ class PipelineRuntime:
         self.last_result: StepResult | None = None
         self._prepared: dict[tuple[str, bool], Schedule] = {}  # validated once per schedule
         self._gates: dict[tuple[str, bool], ValidationGate] = {}  # post-validation gates, once each
+        self._in_flight: dict[tuple, dict[int, int]] = {}  # partial activation checkpoints, once each
         self.redistribution = Redistribution(comm, attn_redistribution, self.chunks)
 
     # ------------------------------------------------------------------------------------------
@@ -313,7 +314,7 @@ class PipelineRuntime:
             vocab_parallel,
             plan,
             first_val_step,
-            {} if partial is None else in_flight_limits(lower(schedule), self.rank),
+            {} if partial is None else self._in_flight_limits(key, schedule),
             variable,
         )
         gate_at, in_flight = 0, []
@@ -334,6 +335,13 @@ class PipelineRuntime:
             result = self._attempt(step, replay.iterators, drain=in_flight)
             result.restarted = True
             return result
+
+    def _in_flight_limits(self, key: tuple, schedule: Schedule) -> dict[int, int]:
+        """This rank's microbatches in flight per stage under ``schedule`` with its backwards
+        (also for a forward-only step, as Megatron's 1F1B counts them), once per prepared key."""
+        if key not in self._in_flight:
+            self._in_flight[key] = in_flight_limits(lower(schedule), self.rank)
+        return self._in_flight[key]
 
     def _communicators(self, lowered: Schedule, vocab_parallel: bool) -> list[Communicator]:
         """Every communicator a step of ``lowered`` talks over: the pairs of its SEND/RECV ops,
@@ -518,21 +526,19 @@ def _check_parallel_state(pp_size: int) -> None:
 def _check_variable_shapes(schedule: Schedule, redistribution: float) -> None:
     """``variable_seq_lengths`` runs whole-sequence schedules: slices, the vocabulary passes and
     SlimPipe's exchanges are cut from one known sequence length."""
-    what = (
-        f"sequence slices ({schedule.name} with {schedule.slices})"
-        if schedule.slices > 1
-        else f"vocabulary parallelism ({schedule.vocab_parallel})"
-        if schedule.vocab_parallel != "none"
-        else "attention redistribution"
-        if redistribution
-        else None
+    if schedule.slices > 1:
+        what = f"sequence slices ({schedule.name} with {schedule.slices})"
+    elif schedule.vocab_parallel != "none":
+        what = f"vocabulary parallelism ({schedule.vocab_parallel})"
+    elif redistribution:
+        what = "attention redistribution"
+    else:
+        return
+    raise ValueError(
+        f"config.variable_seq_lengths is not supported with {what}: every microbatch of the "
+        "step must be cut from one sequence length; turn variable_seq_lengths off or run an "
+        "unsliced schedule without --pp-vocab-parallel and --pp-attn-redistribution"
     )
-    if what is not None:
-        raise ValueError(
-            f"config.variable_seq_lengths is not supported with {what}: every microbatch of the "
-            "step must be cut from one sequence length; turn variable_seq_lengths off or run an "
-            "unsliced schedule without --pp-vocab-parallel and --pp-attn-redistribution"
-        )
 
 
 def _sequence_share(config: Any) -> int:

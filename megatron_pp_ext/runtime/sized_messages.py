@@ -10,8 +10,8 @@ same messages as with fixed shapes, and ``--pp-emulate-nccl`` checks them the sa
 every message travels at the announced size.
 
 A tensor larger than the announced size cannot be sent: its header still goes out (so the
-receiver fails at once with the shape named, instead of waiting for a timeout) and the sender
-raises :class:`TooLong`.
+receiver fails at once with the shape named, instead of waiting for a timeout: :func:`unpack`
+raises :class:`TooLong`) and the sender fails with the same words (:func:`too_long_message`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class TooLong(ValueError):
 
 def wire_size(capacity: Sequence[int], dtype: torch.dtype) -> int:
     """Bytes of one message for tensors of up to ``capacity``'s elements of ``dtype``."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     return _HEADER_BYTES + math.prod(capacity) * itemsize
 
 
@@ -47,7 +47,7 @@ def pack(tensor: Tensor, capacity: Sequence[int], wire: torch.device) -> Tensor:
     header = torch.tensor([tensor.dim(), *tensor.shape], dtype=torch.int64)
     buffer[: header.numel() * 8].copy_(header.view(torch.uint8))
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    if data.numel() > buffer.numel() - _HEADER_BYTES:
+    if not fits(tensor, capacity):
         return buffer
     buffer[_HEADER_BYTES : _HEADER_BYTES + data.numel()].copy_(data)
     return buffer
@@ -64,7 +64,7 @@ def unpack(buffer: Tensor, dtype: torch.dtype, capacity: Sequence[int], what: st
     shape = tuple(int(n) for n in header[1 : 1 + int(header[0])])
     if math.prod(shape) > math.prod(capacity):
         raise TooLong(too_long_message(what, shape, capacity))
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     data = buffer[_HEADER_BYTES : _HEADER_BYTES + math.prod(shape) * itemsize]
     return data.view(dtype).view(shape)
 
