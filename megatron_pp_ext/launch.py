@@ -8,6 +8,7 @@ plain ``megatron-pp-ext train`` starts P local processes itself (gloo on CPU, NC
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import signal
 import tempfile
@@ -90,7 +91,17 @@ def collective_device(device: torch.device) -> torch.device:
     return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _entry(local_rank: int, world_size: int, port: int, worker: Callable[..., Any], args: tuple) -> None:
+def _entry(
+    local_rank: int,
+    world_size: int,
+    port: int,
+    environment: dict[str, str],
+    worker: Callable[..., Any],
+    args: tuple,
+) -> None:
+    # a forkserver's child has the environment of the server's start: this launch's comes along
+    os.environ.clear()
+    os.environ.update(environment)
     # the store is this launcher's, as torchrun's agent holds it: every rank is its client
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
@@ -134,6 +145,21 @@ class WorkerHung(WorkerDied):
         self.rank, self.how = rank, how
 
 
+def start_method(worker: Callable[..., Any]) -> str:
+    """How this process starts its ranks. Without CUDA: a forkserver that imports torch,
+    megatron-core and the worker's module once, each rank forked from it ready to run (spawn
+    imports them in every rank: about 10 s of CPU each on a 2-core machine). With CUDA: spawn,
+    as PyTorch asks, since a module may touch the driver at import and a fork after that breaks
+    the child's CUDA."""
+    if torch.cuda.is_available():
+        return "spawn"
+    preload = ["torch", "torch.distributed"]
+    if worker.__module__ != "__main__":
+        preload.append(worker.__module__)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    return "forkserver"
+
+
 def run(
     worker: Callable[..., Any], world_size: int, *args: Any, grace_s: float = 30.0, backend: str | None = None
 ) -> None:
@@ -166,9 +192,9 @@ def run(
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     context = mp.start_processes(
         _entry,
-        args=(world_size, store.port, worker, args),
+        args=(world_size, store.port, dict(os.environ), worker, args),
         nprocs=world_size,
-        start_method="spawn",
+        start_method=start_method(worker),
         join=False,
     )
     previous = stop.forward_to(context.processes)

@@ -38,6 +38,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.fixture(scope="session")
+def tier(request: pytest.FixtureRequest) -> str:
+    """The tier this run selected: "quick" or "full"."""
+    return request.config.getoption("--tier")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "full: left out of the quick tier (its siblings cover it)")
     config._pp_ext_started = time.monotonic()  # type: ignore[attr-defined]

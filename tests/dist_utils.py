@@ -40,7 +40,8 @@ class RankFailure:
     traceback: str
 
 
-def _context() -> mp.context.BaseContext:
+def warm_context() -> mp.context.BaseContext:
+    """multiprocessing's forkserver, its server having imported torch and megatron-core once."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
     return context
@@ -72,7 +73,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
-    context = _context()
+    context = warm_context()
     results = context.Queue()
     port = free_port()
     processes = [

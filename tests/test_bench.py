@@ -9,17 +9,13 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from cli_runner import run_cli
 from exactness import check as check_error
 from exactness import training_tolerance
 
 
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_pp_ext", "bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(["bench", *args], timeout=timeout)
 
 
 @pytest.mark.parametrize(

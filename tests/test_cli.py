@@ -6,15 +6,14 @@ import json
 import subprocess
 import sys
 
+import cli_runner
 import pytest
 
 from megatron_pp_ext.cli import main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_pp_ext", *args], capture_output=True, text=True, timeout=120
-    )
+    return cli_runner.run_cli(args, timeout=120)
 
 
 def test_simulate_json(capsys) -> None:

@@ -9,11 +9,10 @@ import contextlib
 import dataclasses
 import io
 import json
-import subprocess
-import sys
 
 import pytest
 import yaml
+from cli_runner import run_cli
 
 from megatron_pp_ext import configs
 from megatron_pp_ext.cli import main as cli_main
@@ -147,12 +146,7 @@ def test_train_overrides_take_a_big_config_down_to_size() -> None:
 
 
 def test_train_cli_refuses_gpt3_in_one_line() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_pp_ext", "train", "--config", "gpt3-1.3b"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_cli(["train", "--config", "gpt3-1.3b"], timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert "--config" in last and "Llama-style" in last and "train:" not in done.stdout

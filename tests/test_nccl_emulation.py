@@ -20,6 +20,7 @@ import re
 
 import pytest
 import torch
+from cli_runner import run_cli
 from dist_utils import check_ok, run_ranks
 from exactness import check, training_tolerance
 from runtime_case import (
@@ -219,19 +220,12 @@ def test_lazy_creation_hangs_under_emulation_until_the_deadline_names_it(name: s
 
 def _train(*args: str) -> list[dict]:
     import json
-    import subprocess
-    import sys
     import tempfile
 
     with tempfile.TemporaryDirectory() as scratch:
         metrics = f"{scratch}/metrics.jsonl"
         common = ["--pp", "2", "--num-layers", "4", "--train-iters", "2", "--global-batch-size", "8"]
-        done = subprocess.run(
-            [sys.executable, "-m", "megatron_pp_ext", "train", *common, *args, "--metrics", metrics],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        done = run_cli(["train", *common, *args, "--metrics", metrics], timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         rows = [json.loads(line) for line in open(metrics)]
     return [{"loss": row["loss"], "grad_norm": row["grad_norm"], "out": done.stdout} for row in rows]

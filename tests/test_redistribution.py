@@ -5,9 +5,9 @@ uniform-slice schedules drops."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
+from cli_runner import run_cli
 
 from megatron_pp_ext.schedule.flops import flop_costs_for
 from megatron_pp_ext.schedule.generators import generate
@@ -74,8 +74,7 @@ def test_later_uniform_slices_carry_more_attention() -> None:
 
 
 def simulate_cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "megatron_pp_ext", "simulate", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+    return run_cli(["simulate", *args], timeout=120)
 
 
 def test_simulate_flag_reports_the_bubble_with_and_without() -> None:

@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from cli_runner import run_cli
 from dist_utils import RankFailure, check_ok, run_ranks
 from exactness import check, step_terms, tolerance, training_tolerance
 from runtime_case import MICRO_BATCH, forward_step, loss_values, make_batches, rel_error, tiny_model
@@ -369,11 +370,8 @@ def test_runtime_refuses_autograd_backends_before_any_step() -> None:
 
 
 def test_train_refuses_a_bad_cap_before_starting() -> None:
-    import subprocess
-    import sys
 
-    command = [sys.executable, "-m", "megatron_pp_ext", "train", "--pp-attn-redistribution", "1.5"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done = run_cli(["train", "--pp-attn-redistribution", "1.5"], timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert "--pp-attn-redistribution" in last and "between 0 and 1" in last, last

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 
 import pytest
 import torch
+from cli_runner import run_cli
 from dist_utils import check_ok, run_ranks
 
 from megatron_pp_ext.megatron import hook
@@ -170,8 +170,7 @@ def test_hook_refuses_a_sequence_it_cannot_cut_before_training() -> None:
 
 
 def train(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "megatron_pp_ext", "train", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    return run_cli(["train", *args], timeout=timeout)
 
 
 def test_train_names_the_slice_flag_before_processes_start() -> None:

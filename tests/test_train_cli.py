@@ -10,17 +10,18 @@ import subprocess
 import sys
 
 import pytest
+from cli_runner import run_cli
 from exactness import check, train_tolerance
 
 
 def train(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_pp_ext", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+    return run_cli(["train", *args], env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def train_fresh(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """In an interpreter of its own: what it prints while importing megatron-core counts."""
+    command = [sys.executable, "-m", "megatron_pp_ext", "train", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize(
@@ -318,10 +319,10 @@ def test_the_main_job_starts_quietly_and_verbose_shows_megatron_warnings() -> No
     """The README's main job prints at most 5 lines on stderr before (and here, through) its
     steps: megatron-core's known import warnings are filtered in every process (quiet.py);
     ``--verbose`` shows them again."""
-    quiet = train("--pp-schedule", "zb-h1", "--train-iters", "2", timeout=300)
+    quiet = train_fresh("--pp-schedule", "zb-h1", "--train-iters", "2", timeout=300)
     assert quiet.returncode == 0, quiet.stderr[-2000:]
     lines = quiet.stderr.strip().splitlines()
     assert len(lines) <= 5, quiet.stderr[-3000:]
     assert "Apex is not installed" not in quiet.stderr
-    verbose = train("--pp-schedule", "zb-h1", "--train-iters", "2", "--verbose", timeout=300)
+    verbose = train_fresh("--pp-schedule", "zb-h1", "--train-iters", "2", "--verbose", timeout=300)
     assert verbose.returncode == 0 and "Apex is not installed" in verbose.stderr, verbose.stderr[-2000:]

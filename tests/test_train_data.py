@@ -7,13 +7,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_runner import run_cli
 from exactness import check, train_tolerance
 
 VOCAB = 100  # NullTokenizer's --vocab-size: ids 0..99, end of document 100
@@ -36,13 +35,7 @@ def write_dataset(prefix: Path, documents: int = 300) -> None:
 
 
 def train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_pp_ext", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ),
-    )
+    return run_cli(["train", *args], timeout=300)
 
 
 def losses(metrics: Path) -> list[float]:

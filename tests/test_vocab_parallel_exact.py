@@ -239,16 +239,10 @@ def test_vocab_parallel_exact_tp2_pp2() -> None:
 
 def _train(*args: str, timeout: float = 300):
     import os
-    import subprocess
-    import sys
 
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_pp_ext", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    from cli_runner import run_cli
+
+    return run_cli(["train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
 
 
 @pytest.mark.parametrize(
