@@ -86,9 +86,17 @@ def load(name: str) -> dict[str, Any]:
 
 
 def model_section(config: dict[str, Any]) -> dict[str, Any]:
-    """The model section with ModelConfig's defaults filled in."""
+    """The model section with ModelConfig's defaults filled in, for the FLOP and memory models.
+    A mixture-of-experts model (``extra: num_moe_experts``) is refused: those models count a
+    dense MLP, and would silently plan another model (train runs it)."""
     model = {**MODEL_DEFAULTS, **(config.get("model") or {})}
-    model.pop("extra", None)
+    extra = model.pop("extra", None) or {}
+    if extra.get("num_moe_experts") is not None:
+        raise ConfigError(
+            "--model",
+            f"a mixture-of-experts model ({extra['num_moe_experts']} experts): simulate and plan "
+            "do not model experts yet (they would plan a dense model); train runs it",
+        )
     return model
 
 
@@ -339,6 +347,9 @@ def _scalar(text: str) -> Any:
         return False
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
+    if text.startswith("[") and text.endswith("]"):  # a flow list of scalars: [0, 1, 1]
+        inner = text[1:-1].strip()
+        return [_scalar(item) for item in inner.split(",")] if inner else []
     if re.fullmatch(r"[-+]?\d+", text):
         return int(text)
     if any(c.isdigit() for c in text) and _NUMBER.fullmatch(text):
@@ -347,8 +358,9 @@ def _scalar(text: str) -> Any:
 
 
 def parse_simple_yaml(text: str) -> dict[str, Any]:
-    """Nested mappings of scalars (``key: value`` and ``key:`` opening a mapping, by
-    indentation), ``#`` comments: what configs/*.yaml use. Anything else raises ValueError."""
+    """Nested mappings of scalars and flow lists of scalars (``key: value``, ``key: [0, 1]`` and
+    ``key:`` opening a mapping, by indentation), ``#`` comments: what configs/*.yaml use.
+    Anything else raises ValueError."""
     root: dict[str, Any] = {}
     stack: list[tuple[int, dict[str, Any]]] = [(-1, root)]
     for number, raw in enumerate(text.splitlines(), 1):

@@ -47,13 +47,22 @@ def wait_for_iteration(
     raise AssertionError(f"no iteration {iteration} within {limit_s}s")
 
 
+def _children(pid: int) -> list[int]:
+    return [int(kid) for kid in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def ranks_of(pid: int) -> list[int]:
-    """The rank processes a train command started (its children with more than one thread)."""
-    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    ranks = []
-    for kid in map(int, kids):
+    """The rank processes a train command started, in rank order: its descendants without
+    children of their own and with more than one thread (gloo's). On CPU they are the children
+    of the forkserver the command started (``launch.start_method``), with spawn its own."""
+    ranks, waiting = [], _children(pid)
+    while waiting:
+        kid = waiting.pop()
+        grandchildren = _children(kid)
         status = Path(f"/proc/{kid}/status").read_text()
-        if int(re.search(r"Threads:\s+(\d+)", status).group(1)) > 1:
+        if grandchildren:
+            waiting += grandchildren
+        elif int(re.search(r"Threads:\s+(\d+)", status).group(1)) > 1:
             ranks.append(kid)
     return sorted(ranks)
 

@@ -586,6 +586,34 @@ def test_train_step_vocab_parallel_with_context_parallelism_equals_1f1b(
     assert_same_training(run, one_f_one_b, same_sums=False)
 
 
+# Mixture of experts: 4 experts, top-2, load-balancing loss, split over 2 ranks of each stage
+# (EP 2 x DP 2 x PP 2 on 4 processes); 4 microbatches per data-parallel rank
+MOE_EP2 = [
+    *PP2, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+    "--expert-model-parallel-size", "2", "--global-batch-size", "8",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_one_f_one_b(patched_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Megatron-LM's train_step with megatron-core's own 1F1B on the MoE model (no --pp-schedule)."""
+    return run_driver(patched_tree, tmp_path_factory.mktemp("moe_one_f_one_b"), "train", 4, MOE_EP2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["dualpipev", pytest.param("zb-h1", marks=pytest.mark.heavy)])
+def test_train_step_moe_with_expert_parallelism_equals_megatron_s_1f1b(
+    patched_tree: Path, tmp_path: Path, moe_one_f_one_b: list[dict], schedule: str
+) -> None:
+    """Our schedule through pretrain_gpt.py on an MoE model with expert parallelism gives
+    megatron-core's own 1F1B losses and final weights, routers included (the MoE loss scale is
+    set as megatron-core's schedules set it; before, the routers' auxiliary-loss gradients were
+    m times theirs)."""
+    run = run_driver(patched_tree, tmp_path, "train", 4, [*MOE_EP2, "--pp-schedule", schedule])
+    assert any(".router." in name for rank in run for name in rank["weights"])
+    assert_same_training(run, moe_one_f_one_b, 1e-6)
+
+
 @pytest.fixture(scope="module")
 def tp2_one_f_one_b(patched_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Megatron-LM's train_step with 1F1B on TP2 (sequence parallel) x PP2."""

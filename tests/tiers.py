@@ -29,6 +29,9 @@ FULL_ONLY: dict[str, str] = {
     "tests/test_pretrain_gpt.py::test_train_step_vocab_parallel_with_context_parallelism_equals_1f1b": "vocab x CP",
     "tests/test_pretrain_gpt.py::test_get_model_builds_the_schedules_stages": "stage building",
     "tests/test_pretrain_gpt.py::test_train_step_vocab_parallel_equals_1f1b": "vocab through pretrain_gpt.py",
+    "tests/test_pretrain_gpt.py::test_train_step_moe_with_expert_parallelism_equals_megatron_s_1f1b*": (
+        "test_moe_exact (megatron-core's schedule) and test_moe_train (EP 2)"
+    ),
     "tests/test_pretrain_gpt.py::test_megatron_save_checkpoint_loads_under_another_schedule": "Megatron-LM's save",
     "tests/test_train_data.py::test_mock_data_trains": "the main job trains on mock data",
     "tests/test_pretrain_gpt.py::test_train_and_pretrain_gpt_agree_on_every_row*": "the bad lines run the parser",

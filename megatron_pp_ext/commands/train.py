@@ -25,7 +25,7 @@ from ..errors import JobError, UsageError
 from ..megatron import datasets
 from ..megatron.hook import add_args
 from ..schedule.layer_split import add_layer_split_args
-from ..training.settings import DEFAULT_CONFIG, TrainSettings, load_settings, resolve_layout
+from ..training.settings import DEFAULT_CONFIG, TrainSettings, load_settings, moe_layer_freq, resolve_layout
 
 __all__ = ["JobError", "UsageError", "add_parser", "run", "settings_from_argv"]
 
@@ -231,12 +231,42 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         )
     model.add_argument("--normalization", help="RMSNorm (what train builds)")
     model.add_argument("--position-embedding-type", help="rope (what train builds)")
+    _add_moe_args(parser)
     for flag, what in (
         ("--swiglu", "SwiGLU MLPs"),
         ("--untie-embeddings-and-output-weights", "an output layer of its own"),
         ("--disable-bias-linear", "no linear-layer biases"),
     ):
         model.add_argument(flag, action="store_true", help=f"{what} (what train builds; accepted)")
+
+
+def _add_moe_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's mixture-of-experts flags: every layer (or those ``--moe-layer-freq`` picks)
+    gets megatron-core's MoE layer; each sets its TransformerConfig field (the config's
+    ``model: extra:``)."""
+    moe = parser.add_argument_group("mixture of experts (Megatron's flags)")
+    moe.add_argument("--num-experts", type=int, help="experts per MoE layer")
+    moe.add_argument("--moe-ffn-hidden-size", type=int, help="an expert's inner width")
+    moe.add_argument("--moe-router-topk", type=int, help="experts per token")
+    moe.add_argument(
+        "--moe-token-dispatcher-type",
+        choices=("allgather", "alltoall", "flex"),
+        help="how tokens reach their experts' ranks (CPU: allgather)",
+    )
+    moe.add_argument("--moe-aux-loss-coeff", type=float, help="load-balancing loss coefficient")
+    moe.add_argument("--moe-z-loss-coeff", type=float, help="router z-loss coefficient")
+    moe.add_argument(
+        "--moe-router-load-balancing-type",
+        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+        help="the load-balancing method",
+    )
+    moe.add_argument(
+        "--moe-layer-freq", type=moe_layer_freq, help="N (an MoE layer every N) or a list like ([0]*1+[1]*3)"
+    )
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, help="the shared expert's width")
+    moe.add_argument("--moe-grouped-gemm", action="store_true", default=None, help="TE's grouped GEMM (GPU)")
+    moe.add_argument("--expert-model-parallel-size", type=int, help="ranks the experts are split over (EP)")
+    moe.add_argument("--expert-tensor-parallel-size", type=int, help="tensor-parallel ranks of an expert")
 
 
 def run(args: argparse.Namespace) -> int:

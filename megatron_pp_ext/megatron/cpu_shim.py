@@ -16,6 +16,12 @@ idempotent and process-wide (the tests' and ``train``'s worker processes call it
 Nothing else of Megatron is replaced: its DDP, mappings and ``finalize_model_grads`` run as they
 are.
 
+A fourth, not about CUDA, on any install without Transformer Engine (GPU ones too):
+megatron-core 0.16's ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only when TE
+imports, yet every router's gating reads the name, so a mixture-of-experts forward raises
+``NameError``. :func:`bind_missing_te_general_gemm` binds it to None, the value that module
+itself tests for before it falls back to ``torch.mm``; our models call it when they have experts.
+
 A third place matters only to ``bench --against megatron``, which runs megatron-core's own
 pipeline schedules (ours replace them everywhere else): ``schedules.py`` creates its token
 counter with ``torch.zeros([], dtype=torch.int, device="cuda")`` in both pipelined schedules.
@@ -50,6 +56,14 @@ def install() -> bool:
         megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         _installed = True
     return True
+
+
+def bind_missing_te_general_gemm() -> None:
+    """``moe_utils.te_general_gemm = None`` where megatron-core left the name unbound (no TE)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
 
 
 def install_for_schedules() -> bool:

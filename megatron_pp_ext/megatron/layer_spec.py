@@ -14,12 +14,17 @@ layer with SlicedCoreAttention as core attention.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -30,9 +35,54 @@ from .attention import SDPAttention
 from .norm import TorchNorm
 
 
-def local_layer_spec(sliced: bool = False) -> ModuleSpec:
+class SequentialExperts(SequentialMLP):
+    """megatron-core's ``SequentialMLP``, built without drawing from torch's global generator
+    (``model.seed_experts`` then draws each expert from a generator of its own): how many experts
+    a rank holds (EP) no longer shifts the draws of every weight built after them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with torch.random.fork_rng(devices=[]):
+            super().__init__(*args, **kwargs)
+
+
+class DeferrableLocalProvider(LocalSpecProvider):
+    """Megatron's local backend with our deferrable linears, for its MoE spec builder: the
+    experts (``SequentialMLP``) and the shared expert get linears whose weight gradient a W op
+    can run."""
+
+    def column_parallel_linear(self) -> type:
+        return DeferrableColumnParallelLinear
+
+    def row_parallel_linear(self) -> type:
+        return DeferrableRowParallelLinear
+
+    def grouped_mlp_modules(
+        self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
+    ) -> tuple[type, MLPSubmodules | None]:
+        if moe_use_grouped_gemm:  # the legacy GroupedMLP: its weight gradients run inside B
+            raise ValueError("moe_grouped_gemm needs Transformer Engine (TEGroupedMLP) on a GPU")
+        return SequentialExperts, MLPSubmodules(
+            linear_fc1=DeferrableColumnParallelLinear, linear_fc2=DeferrableRowParallelLinear
+        )
+
+
+def mlp_spec(num_experts: int | None = None) -> ModuleSpec:
+    """The dense MLP, or with ``num_experts`` megatron-core's MoE layer (router, token
+    dispatcher, ``SequentialMLP`` experts, shared expert) built by its own spec builder."""
+    if num_experts is None:
+        return ModuleSpec(
+            module=MLP,
+            submodules=MLPSubmodules(
+                linear_fc1=DeferrableColumnParallelLinear, linear_fc2=DeferrableRowParallelLinear
+            ),
+        )
+    return get_moe_module_spec_for_backend(DeferrableLocalProvider(), num_experts=num_experts)
+
+
+def local_layer_spec(sliced: bool = False, num_experts: int | None = None) -> ModuleSpec:
     """Megatron's local GPT layer with SDPA core attention and deferrable linears; runs on CPU.
-    ``sliced``: SlicedCoreAttention instead, for schedules that cut sequences into slices."""
+    ``sliced``: SlicedCoreAttention instead, for schedules that cut sequences into slices.
+    ``num_experts``: a mixture-of-experts MLP (:func:`mlp_spec`)."""
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -50,12 +100,7 @@ def local_layer_spec(sliced: bool = False) -> ModuleSpec:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=TorchNorm,
-            mlp=ModuleSpec(
-                module=MLP,
-                submodules=MLPSubmodules(
-                    linear_fc1=DeferrableColumnParallelLinear, linear_fc2=DeferrableRowParallelLinear
-                ),
-            ),
+            mlp=mlp_spec(num_experts),
             mlp_bda=get_bias_dropout_add,
         ),
     )
@@ -90,30 +135,38 @@ def te_wgrad_refusal(schedule_name: str) -> str | None:
     )
 
 
-def layer_spec(use_te: bool | None = None, sliced: bool = False) -> ModuleSpec:
+def layer_spec(
+    use_te: bool | None = None,
+    sliced: bool = False,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+) -> ModuleSpec:
     """The TE spec when ``use_te`` (default: when TE is available), else :func:`local_layer_spec`.
     ``sliced`` swaps core attention for SlicedCoreAttention (sequence-sliced schedules: it keeps
-    the K/V of a microbatch's earlier slices); the model then needs ``enable_slicing``."""
+    the K/V of a microbatch's earlier slices); the model then needs ``enable_slicing``.
+    ``num_experts`` (and on TE ``moe_grouped_gemm``): a mixture-of-experts MLP in every layer."""
     if use_te is None:
         use_te = te_available()
     if not use_te:
-        return local_layer_spec(sliced)
+        if moe_grouped_gemm:
+            raise ValueError("moe_grouped_gemm needs Transformer Engine (TEGroupedMLP) on a GPU")
+        return local_layer_spec(sliced, num_experts)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    spec = get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_with_transformer_engine_spec(
+        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm
+    )
     if sliced:
         spec.submodules.self_attention.submodules.core_attention = SlicedCoreAttention
     return spec
 
 
-def block_spec(spec: ModuleSpec, num_layers: int) -> ModuleSpec | TransformerBlockSubmodules:
-    """The decoder block of ``num_layers`` layers of ``spec``. For the local spec the final norm
-    is :class:`TorchNorm` (Megatron's default on CPU, ``WrappedTorchNorm``, refuses sequence
-    parallelism); a TE spec is returned as it is (its block picks TENorm and builds the config's
-    layer count), except for no layers (a stage of the embedding or the loss alone, whose config
-    says one: ``model._gpt``), spelled out as megatron-core's block spells it."""
-    if spec.submodules.input_layernorm is not TorchNorm:
-        if num_layers == 0:
-            return TransformerBlockSubmodules(layer_specs=[], layer_norm=LayerNormImpl)
-        return spec
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=TorchNorm)
+def block_spec(specs: list[ModuleSpec], use_te: bool) -> TransformerBlockSubmodules:
+    """The decoder block of these layers (one spec per layer: dense and MoE layers may mix; none
+    for a stage of the embedding or the loss alone) with the final norm of their kind:
+    :class:`TorchNorm` for the local spec (Megatron's default on CPU, ``WrappedTorchNorm``,
+    refuses sequence parallelism), else megatron-core's ``LayerNormImpl`` (TENorm with
+    Transformer Engine), as its block picks for a TE layer spec."""
+    return TransformerBlockSubmodules(
+        layer_specs=list(specs), layer_norm=LayerNormImpl if use_te else TorchNorm
+    )

@@ -33,14 +33,36 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from . import cpu_shim
 from .layer_spec import block_spec, layer_spec, te_available, te_wgrad_refusal
 from .model_config import ModelConfig, split_layers
 from .rotary import DeviceRotaryEmbedding
 from .sliced import enable_slicing
 
 
-def transformer_config(model: ModelConfig, num_layers: int | None = None) -> TransformerConfig:
-    """The megatron-core TransformerConfig of ``model`` (or of one stage with ``num_layers``)."""
+def moe_pattern(model: ModelConfig) -> list[int] | None:
+    """Which layers of ``model`` are mixture-of-experts layers (1) and which dense (0), by global
+    layer index, as megatron-core reads ``moe_layer_freq``: N is one MoE layer every N layers
+    from layer 0, a list is the pattern itself. None for a model without experts."""
+    if model.extra.get("num_moe_experts") is None:
+        return None
+    freq = model.extra.get("moe_layer_freq", 1)
+    if isinstance(freq, int) and freq >= 1:
+        return [1 if layer % freq == 0 else 0 for layer in range(model.num_layers)]
+    if isinstance(freq, list) and len(freq) == model.num_layers and set(freq) <= {0, 1}:
+        return list(freq)
+    raise ValueError(
+        f"moe_layer_freq={freq!r}: give a positive integer or a list of {model.num_layers} zeros "
+        "(dense) and ones (MoE), one per layer"
+    )
+
+
+def transformer_config(
+    model: ModelConfig, num_layers: int | None = None, layer_offset: int = 0
+) -> TransformerConfig:
+    """The megatron-core TransformerConfig of ``model`` (or of one stage with ``num_layers``
+    whose first layer is global layer ``layer_offset``: its ``moe_layer_freq`` is its share of
+    the model's pattern)."""
     fields = dict(
         num_layers=model.num_layers if num_layers is None else num_layers,
         hidden_size=model.hidden_size,
@@ -76,6 +98,11 @@ def transformer_config(model: ModelConfig, num_layers: int | None = None) -> Tra
         deallocate_pipeline_outputs=True,
     )
     fields.update(model.extra)
+    pattern = moe_pattern(model)
+    if pattern is not None and fields.get("moe_ffn_hidden_size") is None:
+        fields["moe_ffn_hidden_size"] = model.ffn_hidden_size  # megatron-core's default, unwarned
+    if pattern is not None:  # the stage's layers (a stage of no layer is built with one, dense)
+        fields["moe_layer_freq"] = pattern[layer_offset : layer_offset + fields["num_layers"]] or [0]
     check_supported(SimpleNamespace(**fields))  # before Megatron's own, less specific, checks
     return TransformerConfig(**fields)
 
@@ -114,12 +141,47 @@ def check_supported(config: Any) -> None:
             raise ValueError(f"{name}={count} is not divisible by tensor_model_parallel_size={tp}")
     if getattr(config, "sequence_parallel", False) and tp == 1:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+    _check_experts(config)
     cp = getattr(config, "context_parallel_size", 1)
     if cp not in (1, _context_parallel_size()):
         raise ValueError(
             f"context_parallel_size={cp} but Megatron's parallel state has CP={_context_parallel_size()}: "
             f"initialise it with init_parallel_state(pp, tp, cp={cp})"
         )
+
+
+def _check_experts(config: Any) -> None:
+    """A mixture-of-experts config megatron-core can build here: top-k within the experts, the
+    experts split evenly over the parallel state's expert-parallel ranks, a token dispatcher
+    and expert GEMMs that run on this device."""
+    experts = getattr(config, "num_moe_experts", None)
+    if experts is None:
+        return
+    topk = getattr(config, "moe_router_topk", 2)
+    if not 1 <= topk <= experts:
+        raise ValueError(f"moe_router_topk={topk} must be between 1 and num_moe_experts={experts}")
+    ep = getattr(config, "expert_model_parallel_size", 1)
+    state_ep = (
+        parallel_state.get_expert_model_parallel_world_size()
+        if parallel_state.model_parallel_is_initialized()
+        else 1
+    )
+    if ep != state_ep:
+        raise ValueError(
+            f"expert_model_parallel_size={ep} but Megatron's parallel state has EP={state_ep}: "
+            "initialise it with the same expert-parallel size"
+        )
+    if experts % ep:
+        raise ValueError(f"num_moe_experts={experts} is not divisible by expert_model_parallel_size={ep}")
+    if not torch.cuda.is_available():
+        dispatcher = getattr(config, "moe_token_dispatcher_type", "allgather")
+        if dispatcher != "allgather":
+            raise ValueError(
+                f"moe_token_dispatcher_type={dispatcher!r} needs CUDA (megatron-core's {dispatcher} "
+                "dispatcher uses CUDA streams); on CPU use allgather"
+            )
+        if getattr(config, "moe_grouped_gemm", False):
+            raise ValueError("moe_grouped_gemm needs Transformer Engine's grouped GEMM on a GPU")
 
 
 def layer_offsets(layers_per_stage: list[int]) -> list[int]:
@@ -161,17 +223,20 @@ def _gpt(
     use_te: bool | None,
     sliced: bool = False,
     defer_te_wgrad: bool = False,
+    layer_offset: int = 0,
 ) -> GPTModel:
     # a stage of the embedding or the loss alone builds no layer; megatron-core's config takes
     # at least one (it scales the initial weights by it; ours are copied from the reference)
-    config = transformer_config(model, max(1, num_layers))
+    config = transformer_config(model, max(1, num_layers), layer_offset)
     sliced = sliced or config.context_parallel_size > 1  # our sliced attention runs CP, sliced or not
     use_te = te_available() if use_te is None else use_te
+    if config.num_moe_experts is not None:
+        cpu_shim.bind_missing_te_general_gemm()
     if use_te and defer_te_wgrad:
         defer_weight_gradients(config)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(layer_spec(use_te, sliced=sliced), num_layers),
+        transformer_layer_spec=block_spec(_layer_specs(config, num_layers, use_te, sliced), use_te),
         vocab_size=model.vocab_size,
         max_sequence_length=model.seq_length,
         pre_process=pre_process,
@@ -193,6 +258,15 @@ def _gpt(
     return gpt
 
 
+def _layer_specs(config: TransformerConfig, num_layers: int, use_te: bool, sliced: bool) -> list[Any]:
+    """One spec per layer of the stage: dense, or MoE where its ``moe_layer_freq`` says 1."""
+    dense = layer_spec(use_te, sliced)
+    if config.num_moe_experts is None:
+        return [dense] * num_layers
+    moe = layer_spec(use_te, sliced, config.num_moe_experts, config.moe_grouped_gemm)
+    return [moe if expert else dense for expert in config.moe_layer_freq[:num_layers]]
+
+
 def build_stage(
     model: ModelConfig,
     stage: int,
@@ -209,7 +283,10 @@ def build_stage(
     last = len(layers_per_stage) - 1
     if not 0 <= stage <= last:
         raise ValueError(f"stage {stage} out of range 0..{last}")
-    return _gpt(model, layers_per_stage[stage], stage == 0, stage == last, use_te, sliced, defer_te_wgrad)
+    offset = sum(layers_per_stage[:stage])
+    return _gpt(
+        model, layers_per_stage[stage], stage == 0, stage == last, use_te, sliced, defer_te_wgrad, offset
+    )
 
 
 def build_chunks(
@@ -234,9 +311,42 @@ def build_chunks(
 
 def build_reference(model: ModelConfig, use_te: bool | None = None, sliced: bool = False) -> GPTModel:
     """The whole model in one GPTModel, without a pipeline and without context parallelism (every
-    token in this process; same parameters as the chunks)."""
+    token in this process; same parameters as the chunks). Under expert parallelism it holds this
+    rank's experts, each drawn as :func:`seed_experts` draws it."""
     alone = dataclasses.replace(model, extra={**model.extra, "context_parallel_size": 1})
-    return _gpt(alone, model.num_layers, True, True, use_te, sliced)
+    reference = _gpt(alone, model.num_layers, True, True, use_te, sliced)
+    seed_experts(reference, model, torch.initial_seed())
+    return reference
+
+
+@torch.no_grad()
+def seed_experts(gpt: GPTModel, model: ModelConfig, seed: int) -> None:
+    """Give each routed expert weights from a generator of its own, keyed by (``seed``, layer,
+    global expert index), cut to this rank's expert-TP shard: the same experts whatever the
+    expert-parallel size. (megatron-core's CPU initialisation draws every rank's local experts
+    from one stream, so under EP 2 expert 2 would repeat expert 0.) Normal with the model's
+    standard deviation, the second linear scaled by 1/sqrt(2 x layers) as Megatron's output
+    layers are."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    if parallel_state.model_parallel_is_initialized():
+        shard = parallel_state.get_expert_tensor_parallel_rank()
+        shards = parallel_state.get_expert_tensor_parallel_world_size()
+    else:
+        shard, shards = 0, 1
+    stds = (model.init_std, model.init_std / (2 * model.num_layers) ** 0.5)
+    for layer_index, layer in enumerate(gpt.decoder.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if not isinstance(experts, SequentialMLP):  # a dense layer (TE's grouped experts: not yet)
+            continue
+        for expert, local in zip(layer.mlp.local_expert_indices, experts.local_experts):
+            # fc1 is column-parallel (output rows split over expert TP), fc2 row-parallel (inputs)
+            for which, (linear, dim) in enumerate(((local.linear_fc1, 0), (local.linear_fc2, 1))):
+                shape = list(linear.weight.shape)
+                shape[dim] *= shards
+                generator = torch.Generator().manual_seed(hash((seed, layer_index, expert, which)) % 2**62)
+                full = torch.empty(shape).normal_(0.0, stds[which], generator=generator)
+                linear.weight.copy_(full.chunk(shards, dim)[shard])
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -302,11 +412,14 @@ def seed_like_megatron(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
-def init_parallel_state(pp_size: int, tp_size: int = 1, cp_size: int = 1) -> None:
+def init_parallel_state(
+    pp_size: int, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1, etp_size: int | None = None
+) -> None:
     """Megatron's parallel state for our pipelines: TP = ``tp_size``, CP = ``cp_size``, PP =
     ``pp_size``, and data parallelism over the rest of the world (world = TP x CP x PP x DP,
     Megatron's rank order tp-cp-ep-dp-pp), so a data-parallel group never spans the stages of one
-    pipeline. ``torch.distributed`` must be initialised."""
+    pipeline; experts over ``ep_size`` ranks of a stage (expert TP ``etp_size``, default TP).
+    ``torch.distributed`` must be initialised."""
     if not torch.distributed.is_initialized():
         raise RuntimeError("init_parallel_state needs torch.distributed to be initialised first")
     if parallel_state.model_parallel_is_initialized():
@@ -322,6 +435,8 @@ def init_parallel_state(pp_size: int, tp_size: int = 1, cp_size: int = 1) -> Non
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
         context_parallel_size=cp_size,
+        expert_model_parallel_size=ep_size,
+        expert_tensor_parallel_size=etp_size,
         create_gloo_process_groups=False,
     )
     check_parallel_state(pp_size, tp_size, cp_size)

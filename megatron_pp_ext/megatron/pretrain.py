@@ -286,6 +286,10 @@ def setup(args: Any) -> Installed:
     hook = _state.get("hook")
     if hook is None or _state.get("args") is not args:
         check_args(args)
+        if getattr(args, "num_experts", None):
+            from .cpu_shim import bind_missing_te_general_gemm
+
+            bind_missing_te_general_gemm()  # its router reads the name on installs without TE
         options = _with_megatron_chunks(PipelineOptions.from_args(args), args)
         hook = install(
             args,

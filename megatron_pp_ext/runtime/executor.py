@@ -56,6 +56,7 @@ from ..schedule.validate import validate, weight_order_error
 from . import sized_messages
 from .context_parallel import check_cp_slices, context_parallel_group, cp_size_of
 from .creation import Communicator
+from .experts import expert_groups
 from .features import (
     GateFeature,
     GradSyncFeature,
@@ -71,7 +72,7 @@ from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, OffloadStats
 from .p2p import PipeComm, PostedRecv
 from .redistribution import AttentionCounts, Plan, Redistribution, StepRedistribution
-from .slicing import SliceFn, StepSlicing, plan_slices
+from .slicing import SliceFn, StepSlicing, check_sliced_moe, plan_slices
 from .stage import ForwardStepFunc, LossRecord, StageRunner, deallocate
 from .step_feature import OpFailure, PipelineError, StepFeature
 from .vocab_ops import FORWARD_KINDS as VOCAB_FORWARD_KINDS
@@ -270,6 +271,8 @@ class PipelineRuntime:
                 f"schedule {schedule.name} has pp={schedule.pp}, the pipeline has {self.comm.size} ranks"
             )
         lengths = self._slice_lengths(schedule, tensor_shape, slice_lengths)
+        if schedule.slices > 1:
+            check_sliced_moe(self.config)
         # SlimPipe's plan for the schedule as run (collective the first time), and the message
         # order that places its attention exchanges
         as_run = forward_part(schedule) if forward_only else schedule
@@ -345,13 +348,15 @@ class PipelineRuntime:
 
     def _communicators(self, lowered: Schedule, vocab_parallel: bool) -> list[Communicator]:
         """Every communicator a step of ``lowered`` talks over: the pairs of its SEND/RECV ops,
-        the vocabulary channels, Megatron's CP group and the attention-redistribution links."""
+        the vocabulary channels, Megatron's CP group, the expert groups of MoE layers
+        (``experts.py``) and the attention-redistribution links."""
         creation = self.comm.creation
         found = creation.pairs_of(lowered)
         if vocab_parallel and self.vocab is not None:
             found += [creation.group(f"vocab-{name}", group) for name, group in self.vocab.vp.groups.named()]
         if self.cp_group is not None:
             found.append(creation.group("context-parallel", self.cp_group))
+        found += [creation.group(name, group) for name, group in expert_groups(self.config)]
         for (source, partner), group in self.redistribution.links().items():
             found.append(creation.link(source, partner, group))
         return found

@@ -17,6 +17,11 @@ every F op calls ``forward_step_func`` the way megatron-core's ``forward_step``
   as Megatron calls it): Megatron's rule ``i % max_outstanding >= N`` with ``max_outstanding``
   the most microbatches the schedule keeps in flight at the stage (1F1B: ``p - rank``, as
   Megatron's own);
+- after each forward, the loss scales of the mixture-of-experts auxiliary losses
+  (``MoEAuxLossAutoScaler``: load balancing, z-loss) and of multi-token prediction
+  (``MTPLossAutoScaler``), as ``forward_step_calc_loss`` sets them: their backward reads a class
+  attribute, not the graph, so without the call the router's gradients are ``m`` times Megatron's
+  (``grad_scale_func(1) x CP / m``, or ``grad_scale_func(1)`` with ``calculate_per_token_loss``);
 - ``config.timers``: Megatron's names and log levels (``forward-backward`` 1, ``forward-compute``,
   ``backward-compute``, ``forward-recv``, ``backward-recv``, ``forward-send``, ``backward-send``
   2). W ops count as ``backward-compute``.
@@ -35,7 +40,15 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from ..schedule.ir import OpKind, Schedule
 
-__all__ = ["ForwardCall", "call_forward_step", "check_first_val_step", "in_flight_limits", "timed"]
+__all__ = [
+    "ForwardCall",
+    "call_forward_step",
+    "check_first_val_step",
+    "chunk_device",
+    "in_flight_limits",
+    "set_auxiliary_loss_scales",
+    "timed",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,11 @@ def timed(config: Any, name: str, log_level: int = 2, barrier: bool | None = Non
         timers(name).stop()
 
 
+def chunk_device(chunk: torch.nn.Module) -> torch.device:
+    """Where ``chunk``'s parameters live (the CPU for a chunk without any)."""
+    return next(chunk.parameters(), torch.empty(0)).device
+
+
 def call_forward_step(
     forward_step_func: Callable[..., Any],
     data_iterator: Iterator[Any] | None,
@@ -82,14 +100,35 @@ def call_forward_step(
     set_current_microbatch(chunk, call.microbatch)
     get_attr_wrapped_model(chunk, "set_input_tensor")([input_tensor])
     if getattr(config, "enable_autocast", False):
-        device = next(chunk.parameters(), torch.empty(0)).device
-        autocast: Any = torch.autocast(device.type, dtype=config.autocast_dtype)
+        autocast: Any = torch.autocast(chunk_device(chunk).type, dtype=config.autocast_dtype)
     else:
         autocast = nullcontext()
     with autocast:
         if call.checkpoint_activations_microbatch is None:
             return forward_step_func(data_iterator, chunk)
         return forward_step_func(data_iterator, chunk, call.checkpoint_activations_microbatch)
+
+
+def set_auxiliary_loss_scales(config: Any, num_microbatches: int, cp_size: int, device: torch.device) -> None:
+    """The MoE auxiliary-loss and MTP loss scales, as megatron-core's ``forward_step_calc_loss``
+    sets them after every forward (nothing for a model without experts or MTP layers)."""
+    experts = getattr(config, "num_moe_experts", None) is not None
+    mtp = getattr(config, "mtp_num_layers", None) is not None
+    if not (experts or mtp):
+        return
+    one = torch.ones(1, device=device)
+    grad_scale_func = getattr(config, "grad_scale_func", None)
+    loss_scale = grad_scale_func(one) if grad_scale_func is not None else one
+    per_token = getattr(config, "calculate_per_token_loss", False)
+    if experts:
+        from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+        scale = loss_scale if per_token else loss_scale * cp_size / num_microbatches
+        MoEAuxLossAutoScaler.set_loss_scale(scale)
+    if mtp:
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        MTPLossAutoScaler.set_loss_scale(loss_scale if per_token else loss_scale / num_microbatches)
 
 
 def in_flight_limits(schedule: Schedule, rank: int) -> dict[int, int]:

@@ -146,6 +146,30 @@ def combine_reports(reports: Sequence[Any]) -> Any:
     )
 
 
+def check_sliced_moe(config: Any) -> None:
+    """Refuse mixture-of-experts losses that slices cannot give: routing is per token, so a
+    slice routes its tokens as the whole sequence would, but the load-balancing loss (per-expert
+    token fractions times mean router probabilities) and the z-loss (a mean over tokens) are
+    whole-sequence statistics, and a capacity factor drops tokens by whole-sequence counts; one
+    per slice is another loss."""
+    if getattr(config, "num_moe_experts", None) is None:
+        return
+    found = []
+    if getattr(config, "moe_aux_loss_coeff", 0.0) and config.moe_router_load_balancing_type != "none":
+        found.append(f"--moe-aux-loss-coeff {config.moe_aux_loss_coeff}")
+    if getattr(config, "moe_z_loss_coeff", None):
+        found.append(f"--moe-z-loss-coeff {config.moe_z_loss_coeff}")
+    if getattr(config, "moe_expert_capacity_factor", None) is not None:
+        found.append(f"--moe-expert-capacity-factor {config.moe_expert_capacity_factor}")
+    if found:
+        raise ValueError(
+            f"{', '.join(found)}: a sequence-sliced schedule would compute it per slice, not per "
+            "sequence (the mixture-of-experts auxiliary losses and token dropping are whole-sequence "
+            "statistics); run an unsliced schedule, or set the coefficients to 0 and drop the "
+            "capacity factor"
+        )
+
+
 def slice_contexts(chunks: Sequence[torch.nn.Module]) -> list[SliceContext]:
     """Each chunk's SliceContext (the one its SlicedCoreAttention layers share)."""
     contexts = []

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .context_parallel import tokens_on_all_cp_ranks
-from .forward_contract import ForwardCall, call_forward_step
+from .forward_contract import ForwardCall, call_forward_step, chunk_device, set_auxiliary_loss_scales
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, saving
 from .slicing import SliceLosses, combine_reports, sliced_loss
@@ -158,6 +158,7 @@ class StageRunner:
                 output, loss_func = call_forward_step(
                     forward_step_func, data_iterator, self.chunk, self.config, given, call
                 )
+        set_auxiliary_loss_scales(self.config, num_microbatches, self.cp_size, chunk_device(self.chunk))
         normalise = None
         if self.is_last and not self.computes_loss:
             self.loss_funcs[key] = loss_func

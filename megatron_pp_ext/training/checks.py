@@ -15,7 +15,7 @@ from ..megatron import datasets
 from ..megatron.hook import OptionError
 from ..megatron.model_config import ModelConfig
 from ..schedule.run_costs import RunShape
-from .settings import MODEL_FLAGS, TRAIN_FLAGS, TrainSettings
+from .settings import MODEL_FLAGS, MOE_FLAGS, TRAIN_FLAGS, TrainSettings
 
 
 def check(settings: TrainSettings) -> None:
@@ -57,6 +57,7 @@ def check(settings: TrainSettings) -> None:
     if settings.clip_grad < 0:
         raise UsageError("--clip-grad", f"must be 0 (no clipping) or positive, got {settings.clip_grad}")
     _check_parallel(settings, model)
+    _check_experts(settings, model)
     _check_backend(settings)
     _check_checkpoints(settings)
     flags = dict(TRAIN_FLAGS)
@@ -71,7 +72,15 @@ def check(settings: TrainSettings) -> None:
     except OptionError as error:
         raise UsageError(error.flag, error.reason) from None
     _check_transformer_impl(settings, schedule)
+    if model.extra.get("moe_grouped_gemm") and schedule.splits_backward:
+        raise UsageError(
+            "--moe-grouped-gemm",
+            f"{schedule.name} defers weight gradients to W ops, and Transformer Engine's grouped expert "
+            "linears are not yet covered by them: drop --moe-grouped-gemm (SequentialMLP experts) or "
+            "use a schedule without a B/W split (1f1b, interleaved-1f1b)",
+        )
     if schedule.slices > 1:
+        _check_sliced_experts(model)
         try:
             lengths = settings.pipeline.slice_lengths(schedule, model.seq_length, model.shape(), TRAIN_FLAGS)
         except OptionError as error:
@@ -123,6 +132,73 @@ def _check_parallel(settings: TrainSettings, model: Any) -> None:
             "--seq-length",
             f"{model.seq_length} is not divisible by {tp_flag} {settings.tp} (sequence parallelism)",
         )
+
+
+def _check_experts(settings: TrainSettings, model: Any) -> None:
+    """Mixture-of-experts settings megatron-core can build and this machine can run, each
+    refused by its flag (its TransformerConfig field in a config's ``model: extra:``)."""
+    extra = model.extra
+    experts = extra.get("num_moe_experts")
+    if experts is None:
+        flags = {key: "--" + name.replace("_", "-") for name, key in MOE_FLAGS.items()}
+        given = [flags.get(key, key) for key in extra if key.startswith(("moe_", "expert_"))]
+        if given:
+            raise UsageError("--num-experts", f"{', '.join(given)} given without --num-experts: add it")
+        return
+    topk, ep = extra.get("moe_router_topk", 2), extra.get("expert_model_parallel_size", 1)
+    etp = extra.get("expert_tensor_parallel_size", settings.tp)
+    if experts < 1:
+        raise UsageError("--num-experts", f"needs at least 1, got {experts}")
+    if not 1 <= topk <= experts:
+        raise UsageError("--moe-router-topk", f"{topk}: give 1 to --num-experts {experts}")
+    if ep < 1 or experts % ep:
+        raise UsageError("--expert-model-parallel-size", f"{ep} must divide --num-experts {experts}")
+    ranks = settings.tp * settings.cp * settings.dp  # the ranks of one pipeline stage
+    if etp < 1 or ranks % (ep * etp):
+        raise UsageError(
+            "--expert-model-parallel-size",
+            f"EP {ep} x expert TP {etp} must divide the {ranks} ranks of a pipeline stage "
+            f"(TP x CP x DP = {settings.tp} x {settings.cp} x {settings.dp}): raise --data-parallel-size",
+        )
+    if settings.post_validation and (ep > 1 or etp != settings.tp):
+        raise UsageError(
+            "--pp-post-validation",
+            "not with experts split over other ranks than the dense weights (EP > 1 or another expert "
+            "TP): its partial gradient norm follows the pipeline ranks only; drop it",
+        )
+    try:
+        from ..megatron.model import moe_pattern
+
+        moe_pattern(model)
+    except ValueError as error:
+        raise UsageError("--moe-layer-freq", str(error)) from None
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    dispatcher = extra.get("moe_token_dispatcher_type", "allgather")
+    if dispatcher != "allgather":
+        raise UsageError(
+            "--moe-token-dispatcher-type",
+            f"{dispatcher} needs CUDA (megatron-core's {dispatcher} dispatcher uses CUDA streams): "
+            "on CPU use allgather",
+        )
+    if extra.get("moe_grouped_gemm"):
+        raise UsageError("--moe-grouped-gemm", "needs Transformer Engine's grouped GEMM on a GPU: drop it")
+
+
+def _check_sliced_experts(model: Any) -> None:
+    """A sequence-sliced schedule refuses what the runtime would refuse at its first step
+    (``runtime.slicing.check_sliced_moe``), named by the first flag that asks for it."""
+    from types import SimpleNamespace
+
+    from ..runtime.slicing import check_sliced_moe
+
+    fields = {"moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "aux_loss", **model.extra}
+    try:
+        check_sliced_moe(SimpleNamespace(**fields))
+    except ValueError as error:
+        raise UsageError(str(error).split()[0], str(error)) from None
 
 
 def _check_backend(settings: TrainSettings) -> None:

@@ -27,11 +27,14 @@ if TYPE_CHECKING:  # for annotations only: no import edge, a shorter import chai
 def init_parallel(settings: TrainSettings) -> None:
     """Megatron's parallel state with our timeout on its groups: a dead peer in a collective
     fails within ``--pp-p2p-timeout``, not Megatron's default 30 minutes."""
+    experts = settings.model.get("extra", {})
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=settings.tp,
             pipeline_model_parallel_size=settings.pp,
             context_parallel_size=settings.cp,
+            expert_model_parallel_size=experts.get("expert_model_parallel_size", 1),
+            expert_tensor_parallel_size=experts.get("expert_tensor_parallel_size"),
             distributed_timeout_minutes=settings.timeout / 60,
             create_gloo_process_groups=False,
         )

@@ -286,6 +286,22 @@ MODEL_FLAGS = {
     "norm_epsilon": "norm_epsilon",
     "init_method_std": "init_std",
 }
+# Megatron-LM's mixture-of-experts flags (argparse names) and the TransformerConfig fields they
+# set in the model's ``extra`` (a config's ``model: extra:`` takes the same fields).
+MOE_FLAGS = {
+    "num_experts": "num_moe_experts",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "moe_router_topk": "moe_router_topk",
+    "moe_token_dispatcher_type": "moe_token_dispatcher_type",
+    "moe_aux_loss_coeff": "moe_aux_loss_coeff",
+    "moe_z_loss_coeff": "moe_z_loss_coeff",
+    "moe_router_load_balancing_type": "moe_router_load_balancing_type",
+    "moe_layer_freq": "moe_layer_freq",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "moe_grouped_gemm": "moe_grouped_gemm",
+    "expert_model_parallel_size": "expert_model_parallel_size",
+    "expert_tensor_parallel_size": "expert_tensor_parallel_size",
+}
 # The architecture train builds, as Megatron-LM's flags choose it.
 LLAMA_CHOICES = {"--normalization": "RMSNorm", "--position-embedding-type": "rope"}
 
@@ -324,7 +340,26 @@ def model_flags(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, A
         model["num_kv_heads"] = args.num_query_groups or 1  # Megatron-LM's default: one group
     elif args.num_attention_heads is not None:
         model["num_kv_heads"] = args.num_attention_heads  # Megatron-LM's default: no grouping
+    experts = {key: getattr(args, name) for name, key in MOE_FLAGS.items() if getattr(args, name) is not None}
+    if experts:
+        model["extra"] = {**config.get("extra", {}), **experts}
     return model
+
+
+def moe_layer_freq(text: str) -> int | list[int]:
+    """Megatron-LM's ``--moe-layer-freq``: N (one MoE layer every N layers) or a Python list
+    expression of 0s and 1s such as ``([0]*3+[1]*29)`` (three dense layers, then MoE)."""
+    if text.strip().isdigit():
+        return int(text)
+    if not set(text) <= set("[]()0123456789*+, "):
+        raise argparse.ArgumentTypeError(f"{text!r}: give N or a list expression like ([0]*3+[1]*29)")
+    try:
+        value = eval(text, {"__builtins__": {}}, {})  # digits, brackets, * and + only (checked above)
+    except Exception:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list expression like ([0]*3+[1]*29)") from None
+    if not isinstance(value, list) or not set(value) <= {0, 1}:
+        raise argparse.ArgumentTypeError(f"{text!r}: the list holds 0 (dense) and 1 (MoE) only")
+    return value
 
 
 def resolve_layout(settings: TrainSettings, launcher_world_size: int | None) -> TrainSettings:
