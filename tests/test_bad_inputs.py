@@ -89,6 +89,12 @@ CASES: list[tuple[str, str]] = [
     ),
     ("train --num-experts 4 --expert-model-parallel-size 2", "--expert-model-parallel-size"),
     ("train --num-experts 4 --moe-grouped-gemm", "--moe-grouped-gemm"),
+    (
+        "train --num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel "
+        "--expert-tensor-parallel-size 1",
+        "--expert-tensor-parallel-size",
+    ),
+    ("train --num-experts 4 --tensor-model-parallel-size 2", "--sequence-parallel"),
     ("train --num-experts 4 --moe-token-dispatcher-type alltoall", "--moe-token-dispatcher-type"),
     ("train --num-experts 4 --moe-layer-freq '([0]*2+[1]*3)'", "--moe-layer-freq"),
     ("train --num-experts 4 --moe-layer-freq '([0]+[2]*7)'", "--moe-layer-freq"),

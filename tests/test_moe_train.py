@@ -89,6 +89,33 @@ def test_a_checkpoint_resumes_under_one_ep_rank_and_another_schedule(runs) -> No
         check(_relative(row["loss"], straight[row["iteration"]]["loss"]), limit, f"loss {row['iteration']}")
 
 
+def test_tensor_parallel_experts_split_over_the_tensor_parallel_ranks_train_as_on_one(tmp_path: Path) -> None:
+    """TP 2 with sequence parallelism, the experts split over the two tensor-parallel ranks
+    (EP 2, expert TP 1) under ZB-H1 (the experts' deferred W ops use their own group, not the
+    TP group: before, ranks exchanged different token counts and gloo aborted) gives TP 1's
+    losses and gradient norms."""
+    at = COMMON.index("--data-parallel-size")
+    common = [*COMMON[:at], *COMMON[at + 2 :], "--pp-schedule", "zb-h1"]  # one data-parallel rank
+    layouts = {
+        "tp1": [],
+        "tp2-ep2": [
+            "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+        ],
+    }  # fmt: skip
+    rows = {}
+    for name, flags in layouts.items():
+        metrics = tmp_path / f"{name}.jsonl"
+        argv = ["train", *common, *flags, "--train-iters", "2", "--metrics", str(metrics)]
+        done = run_cli(argv, timeout=600)
+        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
+        rows[name] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for one, two in zip(rows["tp1"], rows["tp2-ep2"], strict=True):
+        limit, at = _tolerance(one["iteration"]), f"iteration {one['iteration']}"
+        check(_relative(two["loss"], one["loss"]), limit, f"loss of {at}")
+        check(_relative(two["grad_norm"], one["grad_norm"]), limit, f"grad norm of {at}")
+
+
 def layers_worker(rank: int, world: int, config: str) -> list[tuple[str, int | None, bool]]:
     """(MLP class, routed experts, shared expert) of each layer of ``config``'s model."""
     from megatron_pp_ext.commands.train import settings_from_argv

@@ -259,12 +259,18 @@ def _reduce_scatter_sequence(x: Tensor, group: Any) -> Tensor:
 
 
 def _tensor_parallel(module: torch.nn.Module, kwargs: dict[str, Any]) -> _TensorParallel:
+    """How the linear's forward talks over its tensor-parallel group, as megatron-core's forward
+    decides: a row-parallel output is reduce-scattered under sequence parallelism unless the
+    linear is an expert's whose dispatcher moves the tokens (``explicit_expert_comm``); the
+    group is the linear's own (an expert's is the expert-TP group)."""
     sequence_parallel = bool(kwargs.get("sequence_parallel"))
     allreduce_dgrad = bool(kwargs.get("allreduce_dgrad"))
-    output_sequence_parallel = isinstance(module, RowParallelLinear) and bool(
-        getattr(module, "sequence_parallel", False)
+    output_sequence_parallel = (
+        isinstance(module, RowParallelLinear)
+        and bool(getattr(module, "sequence_parallel", False))
+        and not getattr(module, "explicit_expert_comm", False)
     )
-    group = kwargs.get("tp_group")
+    group = kwargs.get("tp_group") or getattr(module, "tp_group", None)
     if (sequence_parallel or allreduce_dgrad or output_sequence_parallel) and group is None:
         from megatron.core import parallel_state
 

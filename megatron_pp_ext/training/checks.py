@@ -153,6 +153,18 @@ def _check_experts(settings: TrainSettings, model: Any) -> None:
         raise UsageError("--moe-router-topk", f"{topk}: give 1 to --num-experts {experts}")
     if ep < 1 or experts % ep:
         raise UsageError("--expert-model-parallel-size", f"{ep} must divide --num-experts {experts}")
+    if etp != settings.tp and ep == 1:
+        raise UsageError(
+            "--expert-tensor-parallel-size",
+            f"{etp} differs from --tensor-model-parallel-size {settings.tp} with one expert-parallel rank: "
+            "megatron-core then reduces the experts' gradients as dense ones, not over the tensor-parallel "
+            "ranks that each saw part of the tokens; give --expert-model-parallel-size > 1 or drop it",
+        )
+    if settings.tp > 1 and not settings.sequence_parallel:
+        raise UsageError(
+            "--sequence-parallel",
+            "--sequence-parallel: megatron-core's MoE layers with tensor parallelism need it: add it",
+        )
     ranks = settings.tp * settings.cp * settings.dp  # the ranks of one pipeline stage
     if etp < 1 or ranks % (ep * etp):
         raise UsageError(
