@@ -53,7 +53,8 @@ class SaveInterrupted(OSError):
     pass
 
 
-def jobs_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+def jobs_worker(rank: int, world: int, root: str, wanted: dict[str, list[str]]) -> dict[str, Any]:
+    """Every job the selected tests read (``wanted``: names per table, "interrupted" or not)."""
     from megatron.core import dist_checkpointing
 
     from megatron_pp_ext.commands.train import settings_from_argv
@@ -67,16 +68,24 @@ def jobs_worker(rank: int, world: int, root: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name, flags in SCHEDULES.items():
+        if name not in wanted["schedules"]:
+            continue
         pp2 = ["--pp", "2", *flags]
         out[f"{name}/straight"] = run([*pp2, "--save", f"{root}/{name}/straight", "--save-interval", "3"])
         resume = ["--load", f"{root}/{name}/straight", "--ckpt-step", "3", "--save", f"{root}/{name}/resumed"]
         out[f"{name}/resumed"] = run([*pp2, *resume])
     for name, flags in CROSS.items():
+        if name not in wanted["cross"]:
+            continue
         out[f"cross/{name}"] = run([*flags, "--load", f"{root}/v-zb/straight", "--ckpt-step", "3"])
     for name, flags in FROM_VOCAB.items():
+        if name not in wanted["from_vocab"]:
+            continue
         vocab_checkpoint = ["--load", f"{root}/v-half-vocab-2/straight", "--ckpt-step", "3"]
         out[f"from-vocab/{name}"] = run([*flags, *vocab_checkpoint])
 
+    if not wanted["interrupted"]:
+        return out
     # A save that fails after writing its files (a full disk, a crash): the tracker still names
     # the previous checkpoint, which loads; the next save clears the leftovers.
     saves = f"{root}/interrupted"
@@ -103,10 +112,40 @@ def jobs_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _wanted(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The jobs the session's selected tests of this module read (the quick tier selects fewer:
+    ``tiers.py``); a checkpoint another table continues from is always made."""
+    selected = [item for item in request.session.items if item.module is request.module]
+
+    def names(test: Any) -> list[str]:
+        return [item.callspec.params["name"] for item in selected if item.originalname == test.__name__]
+
+    schedules = set(names(test_six_iterations_equal_three_saved_resumed_and_three_more))
+    schedules |= set(names(test_checkpoint_holds_global_tensors_whatever_the_placement))
+    cross, from_vocab = (
+        names(test_v_zb_checkpoint_continues_under_another_schedule_or_layout),
+        names(test_vocab_parallel_checkpoint_continues_without_it),
+    )
+    schedules |= {"v-zb"} if cross else set()
+    schedules |= {"v-half-vocab-2"} if from_vocab else set()
+    interrupted = any(
+        item.originalname == "test_interrupted_save_leaves_the_previous_checkpoint_loadable"
+        for item in selected
+    )
+    return {
+        "schedules": sorted(schedules),
+        "cross": cross,
+        "from_vocab": from_vocab,
+        "interrupted": interrupted,
+    }
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list]]:
+def jobs(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[Path, dict[str, list]]:
     root = tmp_path_factory.mktemp("checkpoints")
-    results = check_ok(run_ranks(jobs_worker, 2, str(root), timeout=600))
+    results = check_ok(run_ranks(jobs_worker, 2, str(root), _wanted(request), timeout=600))
     merged: dict[str, list] = {}
     for key in results[0]:
         if isinstance(results[0][key], list) and results[0][key] and isinstance(results[0][key][0], dict):

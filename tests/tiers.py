@@ -29,6 +29,19 @@ FULL_ONLY: dict[str, str] = {
     "tests/test_pretrain_gpt.py::test_train_step_vocab_parallel_with_context_parallelism_equals_1f1b": "vocab x CP",
     "tests/test_pretrain_gpt.py::test_get_model_builds_the_schedules_stages": "stage building",
     "tests/test_pretrain_gpt.py::test_train_step_vocab_parallel_equals_1f1b": "vocab through pretrain_gpt.py",
+    "tests/test_moe_exact.py::test_moe_schedule_equals_megatron_s_own[[]*-3]": "every schedule at p = 2",
+    # checkpoints: 1f1b, v-zb (a B/W split), slimpipe with offload, vocabulary parallel stay quick
+    "tests/test_checkpoint.py::test_six_iterations_equal_three_saved_resumed_and_three_more[[]zb-h2]": "v-zb",
+    "tests/test_checkpoint.py::test_v_zb_checkpoint_continues_under_another_schedule_or_layout[[]1f1b-pp2-first-1]": (
+        "the other layouts load the same checkpoint; test_train_layer_split splits layers"
+    ),
+    "tests/test_checkpoint.py::test_v_zb_checkpoint_continues_under_another_schedule_or_layout[[]1f1b-pp1-dp2]": (
+        "1f1b-pp1-tp2 reshards the same way"
+    ),
+    "tests/test_checkpoint.py::test_vocab_parallel_checkpoint_continues_without_it[[]1f1b-pp1-tp2]": "1f1b-pp2",
+    "tests/test_moe_train.py::test_a_checkpoint_resumes_under_one_ep_rank_and_another_schedule": (
+        "test_a_checkpoint_resumes_bitwise_under_its_layout"
+    ),
     "tests/test_pretrain_gpt.py::test_train_step_moe_with_expert_parallelism_equals_megatron_s_1f1b*": (
         "test_moe_exact (megatron-core's schedule) and test_moe_train (EP 2)"
     ),
