@@ -11,10 +11,11 @@ import datetime
 import multiprocessing
 import os
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable
-from multiprocessing import connection
+from multiprocessing import connection, reduction
 from typing import Any
 
 import torch
@@ -91,17 +92,37 @@ def collective_device(device: torch.device) -> torch.device:
     return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+class _ParentStream:
+    """This process's file descriptor ``fd`` (stdout, stderr) as the rank receives it: a
+    forkserver's child would otherwise write to the server's, those of the first launch."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _received, (reduction.DupFd(self.fd),)  # sent with the child while it is pickled
+
+
+def _received(dup: Any) -> int:
+    return dup.detach()
+
+
 def _entry(
     local_rank: int,
     world_size: int,
     port: int,
     environment: dict[str, str],
+    streams: tuple[int, int] | None,
     worker: Callable[..., Any],
     args: tuple,
 ) -> None:
-    # a forkserver's child has the environment of the server's start: this launch's comes along
+    # a forkserver's child has the environment and output streams of the server's start: this
+    # launch's come along
     os.environ.clear()
     os.environ.update(environment)
+    for target, fd in zip((1, 2), streams or ()):
+        os.dup2(fd, target)
+        os.close(fd)
     # the store is this launcher's, as torchrun's agent holds it: every rank is its client
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
@@ -190,11 +211,15 @@ def run(
     # The job's store (rendezvous, and each rank's heartbeat: training/heartbeat.py) lives here,
     # not in rank 0, as torchrun's agent holds it: when rank 0 dies the others can still read it.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    method = start_method(worker)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    streams = (_ParentStream(1), _ParentStream(2)) if method == "forkserver" else None
     context = mp.start_processes(
         _entry,
-        args=(world_size, store.port, dict(os.environ), worker, args),
+        args=(world_size, store.port, dict(os.environ), streams, worker, args),
         nprocs=world_size,
-        start_method=start_method(worker),
+        start_method=method,
         join=False,
     )
     previous = stop.forward_to(context.processes)

@@ -53,3 +53,25 @@ def test_a_killed_rank_is_named_though_the_others_fail_too() -> None:
 
 def test_a_job_that_succeeds_returns() -> None:
     launch.run(succeeds, 2, grace_s=5.0)
+
+
+def says(rank: int, world_size: int, local_rank: int, tag: str) -> None:
+    print(f"rank {rank} says {tag}", file=sys.stderr, flush=True)
+
+
+def test_each_launch_writes_where_its_caller_s_stderr_points_now(tmp_path) -> None:
+    """The ranks write to the caller's stderr of this launch, not to the one the forkserver
+    inherited at the first launch of the process (a library caller redirecting between runs)."""
+    saved = os.dup(2)
+    try:
+        for tag in ("first", "second"):
+            with open(tmp_path / f"{tag}.txt", "w") as target:
+                os.dup2(target.fileno(), 2)
+                launch.run(says, 2, tag, grace_s=5.0)
+                os.dup2(saved, 2)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    for tag in ("first", "second"):
+        lines = sorted(line for line in (tmp_path / f"{tag}.txt").read_text().splitlines() if "says" in line)
+        assert lines == [f"rank 0 says {tag}", f"rank 1 says {tag}"], lines

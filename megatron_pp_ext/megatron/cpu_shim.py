@@ -16,18 +16,19 @@ idempotent and process-wide (the tests' and ``train``'s worker processes call it
 Nothing else of Megatron is replaced: its DDP, mappings and ``finalize_model_grads`` run as they
 are.
 
-A fourth, not about CUDA, on any install without Transformer Engine (GPU ones too):
-megatron-core 0.16's ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only when TE
-imports, yet every router's gating reads the name, so a mixture-of-experts forward raises
-``NameError``. :func:`bind_missing_te_general_gemm` binds it to None, the value that module
-itself tests for before it falls back to ``torch.mm``; our models call it when they have experts.
-
 A third place matters only to ``bench --against megatron``, which runs megatron-core's own
 pipeline schedules (ours replace them everywhere else): ``schedules.py`` creates its token
 counter with ``torch.zeros([], dtype=torch.int, device="cuda")`` in both pipelined schedules.
 :func:`install_for_schedules` gives that one module a view of ``torch`` whose ``zeros`` puts
 tensors asked for on ``"cuda"`` on the CPU; every other name is torch's own object, so the
 schedules run at the same speed and nothing outside ``schedules.py`` sees a change.
+
+A fourth, not about CUDA, on any install without Transformer Engine (GPU ones too):
+megatron-core 0.16's ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only when TE
+imports, yet every router's gating reads the name, so a mixture-of-experts forward raises
+``NameError``. :func:`bind_missing_te_general_gemm` binds it to None, the value that module
+itself tests for before it falls back to ``torch.mm``; our models call it when they have experts. (The
+router's move of its weights to ``torch.cuda.current_device()`` is the first place's.)
 """
 
 from __future__ import annotations
