@@ -289,14 +289,13 @@ def global_grad_norm(params: Sequence[torch.Tensor], main_grad: bool = False) ->
     (megatron-core marks their weights ``allreduce=False``) differ across expert-parallel ranks:
     theirs are summed over the expert-tensor, expert and pipeline ranks, as Megatron's optimizer
     for expert weights sums them (with EP 1 and expert TP = TP that is the same group)."""
-    experts = [param for param in params if not getattr(param, "allreduce", True)]
     if not experts_split_otherwise():
         total = local_square_sum(params, main_grad)
         dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
         return float(total.sqrt())
     dense = local_square_sum([param for param in params if getattr(param, "allreduce", True)], main_grad)
     dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())
-    routed = local_square_sum(experts, main_grad)
+    routed = local_square_sum([param for param in params if not getattr(param, "allreduce", True)], main_grad)
     dist.all_reduce(routed, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
     return float((dense + routed).sqrt())
 
