@@ -30,6 +30,17 @@ COPY tests ./tests
 # Megatron-LM's training dependencies.
 RUN PLUGIN_EXTRAS=dev MEGATRON_PP_EXT=/opt/megatron_pp_ext \
     bash scripts/setup_megatron_lm.sh /opt/Megatron-LM
+# Transformer Engine comes with the NGC image; the build stops unless it is in the range setup.py's
+# "gpu" extra allows: from 2.3 (TE's deferred weight gradient, the W op of B/W-split schedules on
+# TE's spec) and below 2.12 (megatron-core 0.16.1's own bound: Megatron-LM core_v0.16.1's
+# pyproject.toml, dev extra, "transformer-engine[pytorch,core_cu13]>=2.9.0a0,<2.12.0").
+ARG TE_RANGE=">=2.3,<2.12"
+RUN python3 -c "import sys, importlib.metadata as m; from packaging.specifiers import SpecifierSet; \
+names = {(d.metadata['Name'] or '').lower().replace('_', '-'): d.version for d in m.distributions()}; \
+have = names.get('transformer-engine'); \
+ok = have is not None and SpecifierSet(sys.argv[1]).contains(have, prereleases=True); \
+print(f'Transformer Engine {have or \"not installed\"}', 'is in' if ok else 'is NOT in', sys.argv[1]); \
+sys.exit(0 if ok else 1)" "$TE_RANGE"
 
 WORKDIR /opt/Megatron-LM
 CMD ["megatron-pp-ext", "--help"]

@@ -21,9 +21,13 @@ setup(
         # einops: megatron-core's HyperCommGrid (the contract tests' custom process groups);
         # pytest-xdist: the suite runs on two workers (pyproject's addopts)
         "dev": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff>=0.5", "einops"],
-        # transformer-engine: 2.3 defers weight gradients (delay_wgrad_compute), which B/W-split
-        # schedules on its layer spec need (checked at start, layer_spec.TE_WGRAD_VERSION)
-        "gpu": ["transformer-engine[pytorch]>=2.3", "flash-attn"],
+        # transformer-engine: from 2.3, which defers weight gradients (delay_wgrad_compute) as
+        # B/W-split schedules on its layer spec need (checked at start, layer_spec.TE_WGRAD_VERSION);
+        # below 2.12, the bound megatron-core 0.16.1 is developed and tested against (Megatron-LM
+        # core_v0.16.1, pyproject.toml's dev extra, also in the megatron-core 0.16.1 wheel's
+        # metadata: "transformer-engine[pytorch,core_cu13]>=2.9.0a0,<2.12.0"). The Dockerfile checks
+        # the NGC image's TE against the same range.
+        "gpu": ["transformer-engine[pytorch]>=2.3,<2.12", "flash-attn"],
         # What Megatron-LM's training package (pretrain_gpt.py, its argument parser) imports beyond
         # megatron-core; the tests of patches/ run it from ../shared/megatron-lm.
         "megatron-lm": ["six", "regex", "pydantic", "triton"],

@@ -86,23 +86,49 @@ def load(name: str) -> dict[str, Any]:
 
 
 def model_section(config: dict[str, Any]) -> dict[str, Any]:
-    """The model section with ModelConfig's defaults filled in, for the FLOP and memory models.
-    A mixture-of-experts model (``extra: num_moe_experts``) is refused: those models count a
-    dense MLP, and would silently plan another model (train runs it)."""
+    """The model section with ModelConfig's defaults filled in, for the FLOP and memory models
+    (``extra``, megatron-core's own fields such as the experts', is left out: :func:`experts`)."""
     model = {**MODEL_DEFAULTS, **(config.get("model") or {})}
-    extra = model.pop("extra", None) or {}
-    if extra.get("num_moe_experts") is not None:
-        raise ConfigError(
-            "--model",
-            f"a mixture-of-experts model ({extra['num_moe_experts']} experts): simulate and plan "
-            "do not model experts yet (they would plan a dense model); train runs it",
-        )
+    model.pop("extra", None)
     return model
 
 
+def experts(config: dict[str, Any]) -> dict[str, Any]:
+    """ModelShape's mixture-of-experts fields from the model section's ``extra`` (megatron-core's
+    TransformerConfig names and defaults); empty for a dense model."""
+    extra = (config.get("model") or {}).get("extra") or {}
+    if extra.get("num_moe_experts") is None:
+        return {}
+    freq = extra.get("moe_layer_freq", 1)
+    padded = bool(extra.get("moe_pad_expert_input_to_capacity", False))
+    return {
+        "experts": extra["num_moe_experts"],
+        "topk": extra.get("moe_router_topk", 2),
+        "expert_ffn": extra.get("moe_ffn_hidden_size") or 0,
+        "shared_expert_ffn": extra.get("moe_shared_expert_intermediate_size") or 0,
+        "moe_layer_freq": tuple(freq) if isinstance(freq, list) else freq,
+        "capacity_factor": extra.get("moe_expert_capacity_factor"),
+        "pad_to_capacity": padded,
+    }
+
+
+def refuse_experts(config: dict[str, Any], command: str) -> None:
+    """Megatron-LM's flags written here (:func:`megatron_args`) carry no experts: refuse a
+    mixture-of-experts config rather than launch a dense model in its place."""
+    count = ((config.get("model") or {}).get("extra") or {}).get("num_moe_experts")
+    if count is not None:
+        raise ConfigError(
+            "--config",
+            f"a mixture-of-experts model ({count} experts): {command} writes no Megatron-LM expert "
+            "flags yet (it would launch a dense model); train --config runs it",
+        )
+
+
 def shape(name: str, config: dict[str, Any] | None = None) -> ModelShape:
-    """The schedule core's ModelShape of config ``name`` (FLOP and memory models)."""
-    model = model_section(load(name) if config is None else config)
+    """The schedule core's ModelShape of config ``name`` (FLOP and memory models), with its
+    experts when it has them."""
+    config = load(name) if config is None else config
+    model = model_section(config)
     return ModelShape(
         name=short_name(name),
         layers=model["num_layers"],
@@ -114,6 +140,7 @@ def shape(name: str, config: dict[str, Any] | None = None) -> ModelShape:
         vocab=model["vocab_size"],
         gated=model["activation"] == "swiglu",
         bytes_per_element=BYTES.get(model["dtype"], 2),
+        **experts(config),
     )
 
 
@@ -268,6 +295,7 @@ def shell(
     """Bash assignments of the config (``CFG_*``; ``CFG_MODEL_ARGS`` is an array) for
     ``eval`` in scripts/slurm/launch.sh."""
     config = load(name)
+    refuse_experts(config, "the launcher's shell")
     model = model_section(config)
     seq = seq_length or model["seq_length"]
     training = config.get("training") or {}
@@ -427,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "shell":
             print(shell(args.config, args.seq_length, args.max_position_embeddings, args.rotary_base))
         else:
-            model = model_section(load(args.config))
+            config = load(args.config)
+            refuse_experts(config, args.command)
+            model = model_section(config)
             if args.command == "params":
                 seq = args.seq_length or model["seq_length"]
                 table = max_positions(model, seq, args.max_position_embeddings)

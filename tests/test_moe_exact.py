@@ -8,7 +8,12 @@ same weights: losses and every gradient, the routers' included, must agree.
 The auxiliary losses reach the router through ``MoEAuxLossAutoScaler``, whose backward reads a
 scale the schedule sets (a class attribute, not the graph); each run starts from scale 1, so a
 runtime that does not set it is caught (``test_an_unset_scale_is_caught`` shows the size).
-Sequence-sliced schedules refuse these losses in one line (per-slice statistics are another loss).
+
+Sequence-sliced schedules (Seq1F1B, SlimPipe) give the unsliced model's gradients too: their
+routers use the sequence's tokens per expert and weigh each slice's z-loss by its share of the
+tokens (``megatron/sliced_router.py``); with megatron-core's own router (one loss per slice) the
+routers' gradients are off (``test_per_slice_statistics_are_caught``). A load-balancing type whose
+statistics are not the sequence's is refused in one line.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ MOE = dict(
     moe_token_dispatcher_type="allgather",
 )
 UNSCALED = "1f1b without the scale"
+PER_SLICE = "seq1f1b/k2 with megatron-core's router"
+SLICED = {2: [("seq1f1b", 2), ("slimpipe", 2)], 3: [("seq1f1b", 2)]}  # (schedule, slices) per p
 
 
 def moe_model(pp: int):
@@ -122,19 +129,69 @@ def moe_worker(rank: int, world: int, microbatches: int) -> dict:
             losses = loss_values(result.losses)
             entry["loss_error"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         report[label] = entry
-    # a sliced schedule refuses the auxiliary losses before it runs anything
-    sliced = _sliced_refusal(model_cfg, world, comm, rank)
-    report["sliced"] = {"refusal": sliced}
+    sliced = [(f"{name}/k{k}", name, k) for name, k in SLICED[world]]
+    for label, name, slices in [*sliced, (PER_SLICE, "seq1f1b", 2)]:
+        report[label] = _sliced_run(
+            model_cfg, world, microbatches, references, comm, rank, name, slices, label
+        )
+    report["refusal"] = _sliced_refusal(model_cfg, world, comm, rank)
     return report
 
 
+def _sliced_run(model_cfg, world, microbatches, references, comm, rank, name, slices, label) -> dict:
+    """One step of a sliced schedule on chunks with the reference's weights, against megatron-
+    core's unsliced run of the same microbatches."""
+    from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+    from megatron_pp_ext.megatron import sliced as sliced_module
+    from megatron_pp_ext.megatron.model import build_chunks_from
+    from megatron_pp_ext.runtime.executor import PipelineRuntime
+    from megatron_pp_ext.schedule.generators import generate
+
+    schedule = generate(name, world, microbatches, slices=slices)
+    m = schedule.microbatches
+    if m not in references:
+        batches = make_batches(model_cfg, m, seed=100 + m)
+        references[m] = (batches, *_megatron_reference(model_cfg, batches, m))
+    batches, reference, ref_grads, ref_losses = references[m]
+    slice_routers = sliced_module.slice_routers
+    if label == PER_SLICE:
+        sliced_module.slice_routers = lambda *args: 0
+    try:
+        chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, rank, sliced=True)
+    finally:
+        sliced_module.slice_routers = slice_routers
+    runtime = PipelineRuntime(chunks, comm, (model_cfg.seq_length, 2, model_cfg.hidden_size), torch.float32)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
+    result = runtime.step(schedule, forward_step, [iter(batches) for _ in chunks])
+    params = [p for c in chunks for p in c.parameters()]
+    entry: dict = {
+        "microbatches": m,
+        "missing": [names_of[id(p)] for p in params if p.grad is None],
+        "grad_errors": {
+            names_of[id(p)]: rel_error(p.grad, ref_grads[names_of[id(p)]])
+            for p in params
+            if p.grad is not None
+        },
+        "is_loss_rank": result.is_loss_rank,
+    }
+    if result.is_loss_rank:
+        losses = loss_values(result.losses)
+        entry["loss_error"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    return entry
+
+
 def _sliced_refusal(model_cfg, world: int, comm, rank: int) -> str:
+    """A load-balancing type whose statistics are not the sequence's: refused before any op."""
     from megatron_pp_ext.megatron.model import build_chunks
     from megatron_pp_ext.runtime.executor import PipelineRuntime
     from megatron_pp_ext.schedule.generators import generate
 
+    per_sequence = dataclasses.replace(
+        model_cfg, extra={**model_cfg.extra, "moe_router_load_balancing_type": "seq_aux_loss"}
+    )
     schedule = generate("seq1f1b", world, world, slices=2)
-    chunks = build_chunks(model_cfg, schedule.placement, rank, sliced=True)
+    chunks = build_chunks(per_sequence, schedule.placement, rank, sliced=True)
     runtime = PipelineRuntime(chunks, comm, (model_cfg.seq_length, 2, model_cfg.hidden_size), torch.float32)
     batches = make_batches(model_cfg, world)
     try:
@@ -153,10 +210,7 @@ def _tolerance(world: int, microbatches: int) -> float:
     return training_tolerance(moe_model(world), microbatches, 1)
 
 
-@pytest.mark.parametrize("world", sorted(CASES))
-@pytest.mark.parametrize("name", SCHEDULES)
-def test_moe_schedule_equals_megatron_s_own(world: int, name: str) -> None:
-    reports = [r[name] for r in _launch(world)]
+def _check_equal(world: int, reports: list[dict]) -> None:
     limit = _tolerance(world, reports[0]["microbatches"])
     for rank, r in enumerate(reports):
         assert not r["missing"], f"rank {rank}: no gradient for {r['missing']}"
@@ -166,6 +220,30 @@ def test_moe_schedule_equals_megatron_s_own(world: int, name: str) -> None:
     loss_ranks = [r for r in reports if r["is_loss_rank"]]
     assert len(loss_ranks) == 1
     check(loss_ranks[0]["loss_error"], limit, "loss")
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_moe_schedule_equals_megatron_s_own(world: int, name: str) -> None:
+    _check_equal(world, [r[name] for r in _launch(world)])
+
+
+@pytest.mark.parametrize(
+    "world, label", [(p, f"{name}/k{k}") for p, runs in SLICED.items() for name, k in runs]
+)
+def test_sliced_moe_schedule_equals_megatron_s_unsliced_one(world: int, label: str) -> None:
+    """Aux loss and z-loss on, each slice routing its own tokens: the sequence's losses."""
+    _check_equal(world, [r[label] for r in _launch(world)])
+
+
+def test_per_slice_statistics_are_caught() -> None:
+    """megatron-core's router in a sliced chunk (one load-balancing loss and one z-loss mean per
+    slice) is off by far more than the tolerance: the sliced comparison above can fail."""
+    world = min(CASES)
+    reports = [r[PER_SLICE] for r in _launch(world)]
+    limit = _tolerance(world, reports[0]["microbatches"])
+    worst = max(e for r in reports for n, e in r["grad_errors"].items() if ".router." in n)
+    assert worst > 100 * limit, worst
 
 
 def test_an_unset_scale_is_caught() -> None:
@@ -178,11 +256,8 @@ def test_an_unset_scale_is_caught() -> None:
     assert worst > 100 * limit, worst
 
 
-def test_sliced_schedules_refuse_the_auxiliary_losses_in_one_line() -> None:
+def test_sliced_schedules_refuse_per_sequence_load_balancing_in_one_line() -> None:
     for rank, report in enumerate(_launch(min(CASES))):
-        refusal = report["sliced"]["refusal"]
-        assert "--moe-aux-loss-coeff 0.1" in refusal and "--moe-z-loss-coeff 0.001" in refusal, (
-            rank,
-            refusal,
-        )
+        refusal = report["refusal"]
+        assert refusal.startswith("--moe-router-load-balancing-type seq_aux_loss"), (rank, refusal)
         assert "per slice" in refusal and "\n" not in refusal

@@ -28,10 +28,18 @@ COMMON = [
     "--microbatches", "4", "--data", README, "--train-iters", "3",
 ]  # fmt: skip
 # name: (flags, loaded checkpoint step or None)
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]  # on CPU through cpu_shim's host stream
 RUNS = {
-    "ep2": (["--expert-model-parallel-size", "2", "--pp-schedule", "zb-h1", "--save-interval", "2"], None),
+    "ep2": (
+        ["--expert-model-parallel-size", "2", "--pp-schedule", "zb-h1", "--save-interval", "2", *ALLTOALL],
+        None,
+    ),
+    "ep2-allgather": (["--expert-model-parallel-size", "2", "--pp-schedule", "zb-h1"], None),
     "ep1": (["--expert-model-parallel-size", "1", "--pp-schedule", "zb-h1"], None),
-    "resumed": (["--expert-model-parallel-size", "2", "--pp-schedule", "zb-h1", "--pp-emulate-nccl"], 2),
+    "resumed": (
+        ["--expert-model-parallel-size", "2", "--pp-schedule", "zb-h1", "--pp-emulate-nccl", *ALLTOALL],
+        2,
+    ),
     "resumed-ep1-dualpipev": (["--expert-model-parallel-size", "1", "--pp-schedule", "dualpipev"], 2),
 }
 
@@ -74,8 +82,13 @@ def _relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-def test_experts_over_two_ranks_train_as_over_one(runs) -> None:
-    for one, two in zip(runs["ep1"], runs["ep2"], strict=True):
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_experts_over_two_ranks_train_as_over_one(runs, dispatcher: str) -> None:
+    """EP 2 (each rank of a stage two of the four experts, tokens exchanged by megatron-core's
+    alltoall or allgather dispatcher) against EP 1 (allgather, no exchange)."""
+    for one, two in zip(
+        runs["ep1"], runs["ep2" if dispatcher == "alltoall" else "ep2-allgather"], strict=True
+    ):
         limit = _tolerance(one["iteration"])
         check(_relative(two["loss"], one["loss"]), limit, f"loss of iteration {one['iteration']}")
         check(
@@ -101,11 +114,12 @@ def test_a_checkpoint_resumes_under_one_ep_rank_and_another_schedule(runs) -> No
         check(_relative(row["loss"], straight[row["iteration"]]["loss"]), limit, f"loss {row['iteration']}")
 
 
-def test_tensor_parallel_experts_split_over_the_tensor_parallel_ranks_train_as_on_one(tmp_path: Path) -> None:
+def test_experts_split_over_tensor_or_context_parallel_ranks_train_as_on_one(tmp_path: Path) -> None:
     """TP 2 with sequence parallelism, the experts split over the two tensor-parallel ranks
     (EP 2, expert TP 1) under ZB-H1 (the experts' deferred W ops use their own group, not the
-    TP group: before, ranks exchanged different token counts and gloo aborted) gives TP 1's
-    losses and gradient norms."""
+    TP group: before, ranks exchanged different token counts and gloo aborted), and CP 2 with
+    the experts split over the two context-parallel ranks (EP 2), give TP 1's losses and
+    gradient norms."""
     at = COMMON.index("--data-parallel-size")
     common = [*COMMON[:at], *COMMON[at + 2 :], "--pp-schedule", "zb-h1"]  # one data-parallel rank
     layouts = {
@@ -114,6 +128,7 @@ def test_tensor_parallel_experts_split_over_the_tensor_parallel_ranks_train_as_o
             "--tensor-model-parallel-size", "2", "--sequence-parallel",
             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
         ],
+        "cp2-ep2": ["--context-parallel-size", "2", "--expert-model-parallel-size", "2", *ALLTOALL],
     }  # fmt: skip
     rows = {}
     for name, flags in layouts.items():
@@ -122,10 +137,11 @@ def test_tensor_parallel_experts_split_over_the_tensor_parallel_ranks_train_as_o
         done = run_cli(argv, timeout=600)
         assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
         rows[name] = [json.loads(line) for line in metrics.read_text().splitlines()]
-    for one, two in zip(rows["tp1"], rows["tp2-ep2"], strict=True):
-        limit, at = _tolerance(one["iteration"]), f"iteration {one['iteration']}"
-        check(_relative(two["loss"], one["loss"]), limit, f"loss of {at}")
-        check(_relative(two["grad_norm"], one["grad_norm"]), limit, f"grad norm of {at}")
+    for layout in ("tp2-ep2", "cp2-ep2"):
+        for one, two in zip(rows["tp1"], rows[layout], strict=True):
+            limit, at = _tolerance(one["iteration"]), f"{layout}, iteration {one['iteration']}"
+            check(_relative(two["loss"], one["loss"]), limit, f"loss of {at}")
+            check(_relative(two["grad_norm"], one["grad_norm"]), limit, f"grad norm of {at}")
 
 
 def layers_worker(rank: int, world: int, config: str) -> list[tuple[str, int | None, bool]]:

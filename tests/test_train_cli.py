@@ -249,10 +249,11 @@ def test_more_ranks_than_gpus_is_refused_in_one_line(monkeypatch, capsys) -> Non
     launch.check_gpus(3, 0)  # no GPU: gloo, any number
 
 
-def test_distributed_backend_gloo_shares_a_gpu_for_pipelines_only(monkeypatch, capsys) -> None:
-    """Megatron's ``--distributed-backend``: gloo on a one-GPU machine lets 2 ranks share it (no
-    ranks-versus-GPUs refusal) but refuses, before any rank starts, the layouts whose collectives
-    gloo cannot run on CUDA tensors; nccl on a machine without GPUs is refused."""
+def test_distributed_backend_gloo_shares_a_gpu_for_pipeline_and_data_parallelism(monkeypatch, capsys) -> None:
+    """Megatron's ``--distributed-backend``: gloo on a one-GPU machine lets ranks share it (no
+    ranks-versus-GPUs refusal; pipeline messages, DDP's reductions and post-validation are staged
+    through host memory) but refuses, before any rank starts, the layouts whose collectives gloo
+    cannot run on CUDA tensors; nccl on a machine without GPUs is refused."""
     import torch
 
     from megatron_pp_ext import launch
@@ -265,7 +266,7 @@ def test_distributed_backend_gloo_shares_a_gpu_for_pipelines_only(monkeypatch, c
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for layout, named in (
         (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
-        (["--data-parallel-size", "2"], "--data-parallel-size 2"),
+        (["--context-parallel-size", "2"], "--context-parallel-size 2"),
         (["--pp-vocab-parallel", "vocab-1"], "--pp-vocab-parallel"),
     ):
         args = ["train", "--pp", "2", "--distributed-backend", "gloo", "--train-iters", "1", *layout]
@@ -274,8 +275,11 @@ def test_distributed_backend_gloo_shares_a_gpu_for_pipelines_only(monkeypatch, c
         assert "--distributed-backend" in last and named in last, last
     launched = []
     monkeypatch.setattr(launch, "run", lambda *args, **kwargs: launched.append(kwargs))
-    assert main(["train", "--pp", "2", "--distributed-backend", "gloo", "--train-iters", "1"]) == 0
-    assert launched and launched[0]["backend"] == "gloo"  # 2 ranks, 1 GPU: not refused
+    for layout in ([], ["--data-parallel-size", "2"]):  # 2 and 4 ranks on 1 GPU: not refused
+        assert (
+            main(["train", "--pp", "2", "--distributed-backend", "gloo", "--train-iters", "1", *layout]) == 0
+        )
+        assert launched.pop()["backend"] == "gloo"
 
 
 def test_transformer_engine_is_used_where_it_can_run_the_schedule(monkeypatch, capsys) -> None:

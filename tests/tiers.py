@@ -30,6 +30,7 @@ FULL_ONLY: dict[str, str] = {
     "tests/test_pretrain_gpt.py::test_get_model_builds_the_schedules_stages": "stage building",
     "tests/test_pretrain_gpt.py::test_train_step_vocab_parallel_equals_1f1b": "vocab through pretrain_gpt.py",
     "tests/test_moe_exact.py::test_moe_schedule_equals_megatron_s_own[[]*-3]": "every schedule at p = 2",
+    "tests/test_moe_exact.py::test_sliced_moe_schedule_equals_megatron_s_unsliced_one[[]3-*]": "seq1f1b at p = 2",
     # checkpoints: 1f1b, v-zb (a B/W split), slimpipe with offload, vocabulary parallel stay quick
     "tests/test_checkpoint.py::test_six_iterations_equal_three_saved_resumed_and_three_more[[]zb-h2]": "v-zb",
     "tests/test_checkpoint.py::test_v_zb_checkpoint_continues_under_another_schedule_or_layout[[]1f1b-pp2-first-1]": (
@@ -42,6 +43,10 @@ FULL_ONLY: dict[str, str] = {
     "tests/test_moe_train.py::test_a_checkpoint_resumes_under_one_ep_rank_and_another_schedule": (
         "test_a_checkpoint_resumes_bitwise_under_its_layout"
     ),
+    "tests/test_moe_train.py::test_experts_split_over_tensor_or_context_parallel_ranks_train_as_on_one": (
+        "test_experts_over_two_ranks_train_as_over_one (EP 2); TP 2 + SP and CP 2 are test_parallel_compose's"
+    ),
+    "tests/test_moe_train.py::test_experts_over_two_ranks_train_as_over_one[[]allgather]": "the alltoall one",
     "tests/test_pretrain_gpt.py::test_train_step_moe_with_expert_parallelism_equals_megatron_s_1f1b*": (
         "test_moe_exact (megatron-core's schedule) and test_moe_train (EP 2)"
     ),
@@ -74,6 +79,10 @@ FULL_ONLY: dict[str, str] = {
     "tests/test_bench.py::test_bad_flags_fail_before_launch[[]args[12]*": "more bad bench flags",
     "tests/test_gpu_validate.py::test_probe_without_gpu_skips_the_gpu_checks_and_appends_to_docs": "GPU probe",
     "tests/test_tiers.py::test_every_full_only_pattern_and_first_file_names_collected_tests": "a whole collection",
+    # exactness at p = 4: p = 2 and the odd p = 3 run every schedule (and every slicing) quick
+    "tests/test_runtime_exact.py::test_exact_p4[[]*": "test_exact_p2, test_exact_p3",
+    "tests/test_runtime_sliced.py::test_sliced_exact_p4[[]*": "test_sliced_exact_p2, test_sliced_exact_p3",
+    "tests/test_redistribution_runtime.py::test_redistribution_exact_p4_k8": "test_redistribution_exact_p3_k8",
     # schedule shapes at p = 16: p up to 12 stay quick
     "tests/test_schedule_fidelity.py::*[[]16-*": "p = 16",
 }

@@ -14,7 +14,7 @@ runtime's (the same ``GPTModel`` stages, weights copied from one reference) with
 
 On CPU ``megatron.cpu_shim.install_for_schedules`` keeps the schedules' token counter off CUDA.
 With ranks sharing a GPU (``--distributed-backend gloo``) Megatron's messages are staged through
-host memory (``megatron_p2p.py``), as our runtime stages its own. With ``pair.offload_modules`` the
+host memory (``megatron/gloo_on_gpu.py``), as our runtime stages its own. With ``pair.offload_modules`` the
 chunks are built with megatron-core's fine-grained activation offloading of those modules (CUDA and
 Transformer Engine only; ``bench`` checks both before it starts).
 Activation bytes are what autograd saves during the step (``saved_tensors_hooks``, by storage,
@@ -36,7 +36,6 @@ from ..megatron.model import ModelConfig, build_chunks_from
 from ..megatron.steps import forward_step
 from ..runtime import ActivationMeter
 from ..schedule.ir import Placement
-from . import megatron_p2p
 from .job import MegatronPair
 from .our_job import ModuleJob, microbatch_loss
 
@@ -56,7 +55,7 @@ class MegatronJob(ModuleJob):
     ) -> None:
         from megatron.core.pipeline_parallel import schedules
 
-        from ..megatron import cpu_shim
+        from ..megatron import cpu_shim, gloo_on_gpu
 
         cpu_shim.install_for_schedules()  # nothing with CUDA
         if pair.offload_modules:  # read by the layers as they are built
@@ -71,7 +70,7 @@ class MegatronJob(ModuleJob):
         self.chunks, _ = build_chunks_from(reference, model, placement, rank)
         device = next(self.chunks[0].parameters()).device
         if device.type != "cpu" and dist.get_backend() == "gloo":  # ranks sharing a GPU
-            megatron_p2p.install()
+            gloo_on_gpu.install_for_p2p()
         self.batches = [{key: value.to(device) for key, value in batch.items()} for batch in batches]
         config = self.chunks[0].config  # the one Megatron's schedules read (get_model_config)
         config.pipeline_dtype = model.torch_dtype

@@ -5,8 +5,9 @@ Pure Python (no torch): usable on a laptop to study a schedule before a GPU is b
 shows each peak with and without them. With ``--pp-vocab-parallel`` the input embedding and the
 output layer are spread over all pipeline ranks (S and T passes, ``schedule/vocab.py``) and the
 table compares makespan, busy time and peak memory with and without. With ``--model`` and
-Megatron's parallel flags (TP, SP, CP, DP, distributed optimizer) each rank's memory is its
-activations plus weights, gradients and optimizer state (``schedule/memory_model.py``). With
+Megatron's parallel flags (TP, SP, CP, DP, distributed optimizer, and EP and expert TP for a
+mixture-of-experts config) each rank's memory is its activations plus weights, gradients and
+optimizer state (``schedule/memory_model.py``). With
 ``--iterations N`` the schedule runs N times back to back with the optimizer step between
 (``schedule/iterations.py``): the iteration-boundary bubble, and with ``--pp-post-validation``
 how much Zero Bubble's optimizer post-validation takes back (``docs/post_validation.md``).
@@ -248,6 +249,20 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="shard Adam's state and master weights over DP x CP ranks",
     )
+    group.add_argument(
+        "--expert-model-parallel-size",
+        dest="ep",
+        type=int,
+        default=1,
+        help="EP size: a mixture-of-experts layer's routed experts split over EP ranks",
+    )
+    group.add_argument(
+        "--expert-tensor-parallel-size",
+        dest="etp",
+        type=int,
+        default=None,
+        help="expert TP size: each routed expert split over ETP ranks (default: the TP size)",
+    )
 
 
 PARALLEL_FLAGS = {
@@ -256,6 +271,8 @@ PARALLEL_FLAGS = {
     "cp": ("--context-parallel-size", 1),
     "dp": ("--data-parallel-size", 1),
     "distributed_optimizer": ("--use-distributed-optimizer", False),
+    "ep": ("--expert-model-parallel-size", 1),
+    "etp": ("--expert-tensor-parallel-size", None),
 }
 
 
@@ -467,7 +484,10 @@ def result_dict(args: argparse.Namespace, result: SimResult) -> dict[str, Any]:
     data = result.to_dict()
     parts = rank_memory(args, result)
     if parts is not None:
-        data["parallel"] = asdict(parallel_from_args(args))
+        parallel = asdict(parallel_from_args(args))
+        if not model_shape(args).experts:  # a dense model's layout, as before experts
+            parallel = {key: value for key, value in parallel.items() if key not in ("ep", "etp")}
+        data["parallel"] = parallel
         data["memory_parts_bytes"] = [p.to_dict() for p in parts]
     data["memory_max_over_min"] = memory_balance(args, result)
     data["nccl"] = nccl_summary(result.schedule)
@@ -555,7 +575,9 @@ def run_of(args: argparse.Namespace, schedule: Schedule) -> RunShape | None:
     if args.model is None:
         return None
     split = None if LayerSplitFlags.from_args(args).even else tuple(layers_of(args, schedule))
-    return RunShape(model_shape(args), args.seq_length, split)
+    # The runtime's shape has no experts yet (models.megatron_shape, ModelConfig.shape): order
+    # and place as it does, so the simulated order is the run's; the replay still times experts.
+    return RunShape(model_shape(args).as_dense(), args.seq_length, split)
 
 
 def as_run(schedule: Schedule, run: RunShape | None) -> Schedule:
@@ -731,13 +753,17 @@ def nccl_line(found: dict[str, str | None]) -> str:
 
 
 def memory_summary(memory: list[MemoryParts]) -> str:
-    """One line per rank: total GiB and its four parts."""
+    """One line per rank: total GiB and its four parts (and, with experts, their share)."""
     gib = 2**30
+    experts = any(p.experts for p in memory)
     lines = ["memory per rank (GiB) = activations + weights + gradients + optimizer"]
+    if experts:
+        lines[0] += " (routed experts' weights, gradients and optimizer in brackets)"
     for rank, p in enumerate(memory):
+        share = f" ({p.experts / gib:.2f} experts)" if experts else ""
         lines.append(
             f"  r{rank}: {p.total / gib:.2f} = {p.activations / gib:.2f} + {p.weights / gib:.2f} + "
-            f"{p.gradients / gib:.2f} + {p.optimizer / gib:.2f}"
+            f"{p.gradients / gib:.2f} + {p.optimizer / gib:.2f}{share}"
         )
     return "\n".join(lines)
 

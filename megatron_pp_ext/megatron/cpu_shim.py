@@ -1,6 +1,6 @@
-"""The CPU shim: two places where megatron-core hard-codes CUDA, made to work without a GPU.
+"""The CPU shim: the places where megatron-core hard-codes CUDA, made to work without a GPU.
 
-megatron-core 0.16 runs on CPU with gloo except for two things this project needs there:
+megatron-core 0.16 runs on CPU with gloo except for these things this project needs there:
 
 1. ``torch.cuda.current_device()`` is the allocation device of the DDP grad and param buffers
    (``_ParamAndGradBuffer``) and of the tensor-parallel mappings' gather / reduce-scatter
@@ -10,20 +10,26 @@ megatron-core 0.16 runs on CPU with gloo except for two things this project need
    its dropout) swaps CUDA generator states. The shim selects megatron-core's own no-op tracker
    (``initialize_rng_tracker(inference_rng_tracker=True)``); our models have no dropout, so no
    random stream changes.
+3. The alltoall token dispatcher of mixture-of-experts layers (``token_dispatcher.py``) copies
+   its split sizes to the host on a side CUDA stream it creates at build
+   (``torch.cuda.Stream()``), as numpy arrays for ``all_to_all_single``. The shim gives that one
+   module a view of ``torch`` whose ``cuda`` has a host stream (work on the host is already in
+   order: waits and events are no-ops) and a ``maybe_move_tensor_to_cpu`` that hands host split
+   sizes over as numpy, as it does device ones.
 
 :func:`install` does nothing when CUDA is available: on a GPU megatron-core runs unchanged. It is
 idempotent and process-wide (the tests' and ``train``'s worker processes call it once on CPU).
 Nothing else of Megatron is replaced: its DDP, mappings and ``finalize_model_grads`` run as they
 are.
 
-A third place matters only to ``bench --against megatron``, which runs megatron-core's own
+A fourth place matters only to ``bench --against megatron``, which runs megatron-core's own
 pipeline schedules (ours replace them everywhere else): ``schedules.py`` creates its token
 counter with ``torch.zeros([], dtype=torch.int, device="cuda")`` in both pipelined schedules.
 :func:`install_for_schedules` gives that one module a view of ``torch`` whose ``zeros`` puts
 tensors asked for on ``"cuda"`` on the CPU; every other name is torch's own object, so the
 schedules run at the same speed and nothing outside ``schedules.py`` sees a change.
 
-A fourth, not about CUDA, on any install without Transformer Engine (GPU ones too):
+A fifth, not about CUDA, on any install without Transformer Engine (GPU ones too):
 megatron-core 0.16's ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only when TE
 imports, yet every router's gating reads the name, so a mixture-of-experts forward raises
 ``NameError``. :func:`bind_missing_te_general_gemm` binds it to None, the value that module
@@ -33,6 +39,7 @@ router's move of its weights to ``torch.cuda.current_device()`` is the first pla
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -55,8 +62,43 @@ def install() -> bool:
 
         torch.cuda.current_device = cpu_device  # type: ignore[assignment]
         megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        _install_host_streams_for_alltoall()
         _installed = True
     return True
+
+
+class _HostStream:
+    """What the alltoall dispatcher asks of its CUDA stream and event, on the host."""
+
+    def wait_stream(self, other: object) -> None:
+        return None
+
+    def record_event(self) -> _HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_split_sizes(tensor: object, as_numpy: bool = False, record_stream: bool = False) -> object:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for host tensors: numpy where asked, as for device ones."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+def _install_host_streams_for_alltoall() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cuda = module_view(
+        torch.cuda,
+        Stream=lambda *args, **kwargs: _HOST_STREAM,
+        current_stream=lambda *args, **kwargs: _HOST_STREAM,
+        stream=lambda stream: contextlib.nullcontext(),
+    )
+    token_dispatcher.torch = module_view(torch, cuda=cuda)  # type: ignore[attr-defined]
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes  # type: ignore[attr-defined]
 
 
 def bind_missing_te_general_gemm() -> None:

@@ -5,7 +5,8 @@ bucket layout of the distributed optimizer when asked) and sets the model config
 contract as Megatron-LM's ``training.py`` sets it: ``no_sync_func`` and ``grad_sync_func`` per
 chunk with ``overlap_grad_reduce``, ``param_sync_func`` with ``overlap_param_gather`` and
 ``align_param_gather``, and ``finalize_model_grads_func``. The runtime honours all of them (see
-``runtime/grad_sync.py``). On CPU the CUDA shim (``cpu_shim.py``) lets DDP allocate its buffers.
+``runtime/grad_sync.py``). On CPU the CUDA shim (``cpu_shim.py``) lets DDP allocate its buffers;
+ranks sharing a GPU under gloo reduce through host memory (``gloo_on_gpu.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.utils import get_model_config
 
-from . import cpu_shim
+from . import cpu_shim, gloo_on_gpu
 
 
 def wrap_chunks(
@@ -33,6 +34,7 @@ def wrap_chunks(
     """Each chunk in Megatron's DDP (bucketing on the first chunk only, as Megatron-LM's
     ``get_model``), and the config fields Megatron-LM's training loop sets."""
     cpu_shim.install()
+    gloo_on_gpu.install_where_needed()  # ranks sharing a GPU: reductions through host memory
     ddp_config = ddp_config or DistributedDataParallelConfig()
     wrapped = [
         DistributedDataParallel(

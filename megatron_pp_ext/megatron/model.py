@@ -173,15 +173,27 @@ def _check_experts(config: Any) -> None:
         )
     if experts % ep:
         raise ValueError(f"num_moe_experts={experts} is not divisible by expert_model_parallel_size={ep}")
-    if not torch.cuda.is_available():
-        dispatcher = getattr(config, "moe_token_dispatcher_type", "allgather")
-        if dispatcher != "allgather":
-            raise ValueError(
-                f"moe_token_dispatcher_type={dispatcher!r} needs CUDA (megatron-core's {dispatcher} "
-                "dispatcher uses CUDA streams); on CPU use allgather"
-            )
-        if getattr(config, "moe_grouped_gemm", False):
-            raise ValueError("moe_grouped_gemm needs Transformer Engine's grouped GEMM on a GPU")
+    refusal = experts_refusal_here(
+        getattr(config, "moe_token_dispatcher_type", "allgather"), getattr(config, "moe_grouped_gemm", False)
+    )
+    if refusal is not None:
+        raise ValueError(f"{refusal[0]}: {refusal[1]}")
+
+
+def experts_refusal_here(dispatcher: str, grouped_gemm: bool) -> tuple[str, str] | None:
+    """(flag, why) when this machine cannot run the experts asked for, else None: without CUDA,
+    the flex dispatcher (DeepEP/HybridEP kernels) and TE's grouped GEMM. The allgather and
+    alltoall dispatchers run on CPU (the alltoall one through ``cpu_shim``'s host stream)."""
+    if torch.cuda.is_available():
+        return None
+    if dispatcher not in ("allgather", "alltoall"):
+        return (
+            "--moe-token-dispatcher-type",
+            f"{dispatcher} needs GPUs (DeepEP/HybridEP): on CPU use alltoall",
+        )
+    if grouped_gemm:
+        return ("--moe-grouped-gemm", "needs Transformer Engine's grouped GEMM on a GPU: drop it")
+    return None
 
 
 def layer_offsets(layers_per_stage: list[int]) -> list[int]:

@@ -126,9 +126,15 @@ class PostValidation:
         (between steps), and no step waits on a creation."""
         self.begin(torch.zeros((), dtype=torch.float64, device=device)).wait()
 
+    def wire_device(self, device: torch.device) -> torch.device:
+        """Where the state travels: host memory under gloo (ranks sharing a GPU: gloo has no
+        CUDA point-to-point path), ``device`` otherwise."""
+        return torch.device("cpu") if dist.get_backend(self.pipeline_group) == "gloo" else device
+
     def begin(self, local: torch.Tensor) -> PendingState:
         """Start the global all-reduce of ``local`` (a float64 scalar), take the partial state
         of the ranks before this one in the chain, add ours and start sending it on."""
+        local = local.to(self.wire_device(local.device))
         total = local.clone()
         work = self._launch(
             lambda: dist.all_reduce(total, group=self.model_parallel_group, async_op=True),

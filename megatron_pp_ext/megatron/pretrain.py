@@ -385,6 +385,9 @@ def placed_model_provider(provider: Callable[..., Any]) -> Callable[..., Any]:
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.training import get_args
 
+        from . import gloo_on_gpu
+
+        gloo_on_gpu.install_where_needed()  # ranks sharing a GPU: Megatron's DDP through host memory
         args = get_args()
         layout = _placement_or_exit(args)
         if pg_collection is None:

@@ -18,6 +18,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 from ..attention import SliceContext, SlicedCoreAttention, attach_slice_context
 from .rotary import DeviceRotaryEmbedding
+from .sliced_router import slice_routers
 
 
 class SlicedRotaryEmbedding(DeviceRotaryEmbedding):
@@ -64,6 +65,7 @@ def enable_slicing(chunk: torch.nn.Module, context: SliceContext | None = None) 
         module.slice_context = context
         device = next(chunk.parameters()).device
         module.inv_freq = module.inv_freq.to(device)
+    slice_routers(chunk, context)  # mixture-of-experts routers: the sequence's auxiliary losses
     return context
 
 

@@ -84,6 +84,13 @@ def resolve(model: str, flags: dict[str, Any]) -> ModelSpec:
             )
         except (configs.ConfigError, TypeError, ValueError, KeyError) as error:
             raise ModelError("--model", f"config {model!r}: {error}") from None
+        if spec.shape.experts:  # until the planner's search and step model know expert parallelism
+            raise ModelError(
+                "--model",
+                f"config {model!r}: a mixture-of-experts model ({spec.shape.experts} experts): plan "
+                "does not model experts yet (it would plan a dense model); simulate --model and "
+                "train run it",
+            )
     else:
         choices = ", ".join([*configs.names(), *PRESETS])
         raise ModelError(

@@ -272,7 +272,7 @@ class PipelineRuntime:
             )
         lengths = self._slice_lengths(schedule, tensor_shape, slice_lengths)
         if schedule.slices > 1:
-            check_sliced_moe(self.config)
+            check_sliced_moe(self.config, schedule)
         # SlimPipe's plan for the schedule as run (collective the first time), and the message
         # order that places its attention exchanges
         as_run = forward_part(schedule) if forward_only else schedule

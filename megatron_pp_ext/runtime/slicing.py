@@ -28,6 +28,7 @@ from ..attention import SliceContext, SlicedCoreAttention
 from ..schedule.ir import Op, Schedule
 from ..schedule.models import ModelShape
 from ..schedule.partition import DEFAULT_UNIT, slice_lengths
+from ..schedule.validate import slice_order_error
 
 SliceFn = Callable[[Any, int, int, int], Any]  # (batch, start, end, seq_length) -> slice
 
@@ -146,28 +147,41 @@ def combine_reports(reports: Sequence[Any]) -> Any:
     )
 
 
-def check_sliced_moe(config: Any) -> None:
-    """Refuse mixture-of-experts losses that slices cannot give: routing is per token, so a
-    slice routes its tokens as the whole sequence would, but the load-balancing loss (per-expert
-    token fractions times mean router probabilities) and the z-loss (a mean over tokens) are
-    whole-sequence statistics, and a capacity factor drops tokens by whole-sequence counts; one
-    per slice is another loss."""
+SEQUENCE_LOAD_BALANCING = ("aux_loss", "none")  # what a sliced router computes per sequence
+
+
+def check_sliced_moe(config: Any, schedule: Schedule | None = None) -> None:
+    """Refuse mixture-of-experts statistics that slices cannot give. Routing is per token; the
+    load-balancing loss and the z-loss are the sequence's through ``megatron/sliced_router.py``,
+    which reads the sequence's tokens per expert at the first backward: ``schedule`` must run
+    every slice of a microbatch forward before that (``validate.slice_order_error``). Other
+    load-balancing types (``seq_aux_loss`` reshapes by the slice's length, ``global_aux_loss``
+    accumulates in forward order) and a capacity factor (it drops tokens by the sequence's counts)
+    would be per slice: another loss."""
     if getattr(config, "num_moe_experts", None) is None:
         return
     found = []
-    if getattr(config, "moe_aux_loss_coeff", 0.0) and config.moe_router_load_balancing_type != "none":
-        found.append(f"--moe-aux-loss-coeff {config.moe_aux_loss_coeff}")
-    if getattr(config, "moe_z_loss_coeff", None):
-        found.append(f"--moe-z-loss-coeff {config.moe_z_loss_coeff}")
+    balancing = getattr(config, "moe_router_load_balancing_type", "aux_loss")
+    types = balancing if isinstance(balancing, list) else [balancing]
+    if getattr(config, "moe_aux_loss_coeff", 0.0) and any(t not in SEQUENCE_LOAD_BALANCING for t in types):
+        found.append(f"--moe-router-load-balancing-type {' '.join(map(str, types))}")
     if getattr(config, "moe_expert_capacity_factor", None) is not None:
         found.append(f"--moe-expert-capacity-factor {config.moe_expert_capacity_factor}")
     if found:
         raise ValueError(
             f"{', '.join(found)}: a sequence-sliced schedule would compute it per slice, not per "
-            "sequence (the mixture-of-experts auxiliary losses and token dropping are whole-sequence "
-            "statistics); run an unsliced schedule, or set the coefficients to 0 and drop the "
-            "capacity factor"
+            "sequence (token dropping and these load-balancing statistics are not the sequence's "
+            "under slices); use --moe-router-load-balancing-type aux_loss, or drop the capacity "
+            "factor, or run an unsliced schedule"
         )
+    uses_statistics = getattr(config, "moe_aux_loss_coeff", 0.0) or getattr(config, "moe_z_loss_coeff", None)
+    if schedule is not None and uses_statistics:
+        error = slice_order_error(schedule)
+        if error is not None:
+            raise ValueError(
+                f"{schedule.name}: {error}; the mixture-of-experts load-balancing loss needs every "
+                "slice's routing before a backward: set --moe-aux-loss-coeff 0 or use another schedule"
+            )
 
 
 def slice_contexts(chunks: Sequence[torch.nn.Module]) -> list[SliceContext]:

@@ -9,6 +9,12 @@ Per layer and token of a slice of length s ending at position P (b sequences per
   (twice the attention forward).
 * W: the weight-gradient GEMMs (as many FLOPs as the forward GEMMs). BW = B + W.
 
+A mixture-of-experts layer (``ModelShape.experts``) counts what a token activates: attention as a
+dense layer's, the router (h x E), the shared expert and k routed experts of width f_e, each GEMM
+2 FLOPs per multiply-add as above; a stage's ops count its own mix of MoE and dense layers
+(``memory_model.stage_moe_layers``). Routing is taken as balanced (every expert gets k/E of the
+tokens); the all-to-all of the dispatch is not timed.
+
 Stage 0 also holds the embedding (a lookup: no FLOPs, no saved activation beyond token ids). The
 last stage also holds the final norm, the output layer (2*s*h*V FLOPs each for F, B and W) and the
 cross-entropy. Norms, residual adds, RoPE and SiLU are left out of the FLOPs (well under 1%).
@@ -38,14 +44,15 @@ from dataclasses import dataclass, field
 
 from .costs import offload_ratio
 from .ir import COLLECTIVE_KINDS, Op, OpKind, Schedule
-from .memory_model import FP32, Parallelism, TokenBytes
+from .memory_model import FP32, Parallelism, TokenBytes, stage_moe_layers
 from .models import ModelShape, get_model
 from .partition import DEFAULT_UNIT, causal_pairs, slice_lengths
 
 
-def layer_activation_parts(shape: ModelShape) -> TokenBytes:
-    """Bytes one layer saves per token for its backward (bf16 unless noted), flash attention,
-    no recompute, split by where Megatron keeps them under tensor parallelism.
+def layer_activation_parts(shape: ModelShape, moe: bool = False) -> TokenBytes:
+    """Bytes one layer (``moe``: one MoE layer) saves per token for its backward (bf16 unless
+    noted), flash attention, no recompute, split by where Megatron keeps them under tensor
+    parallelism.
 
     Outside the TP region (replicated over TP ranks unless sequence parallel):
 
@@ -59,10 +66,24 @@ def layer_activation_parts(shape: ModelShape) -> TokenBytes:
     * attention output O: a*d (flash attention's saved output, also the out-projection input)
     * flash-attention log-sum-exp: a values in fp32
     * SwiGLU: gate and up outputs 2f, down-projection input f (GeLU MLP: fc1 output f, fc2 input f)
+
+    An MoE layer keeps the same attention and norm tensors; its MLP's are the shared expert's
+    (as a dense MLP of width f_s, inside), the router's softmax over the E experts (fp32,
+    outside) and, for each of the k routed copies of the token, the expert's input h and its
+    routing probability (fp32) and its FFN intermediates as a dense MLP's of width f_e.
     """
     e = shape.bytes_per_element
-    inside = (2 * shape.q_width + 2 * shape.kv_width + shape.ffn_matrices * shape.ffn) * e
-    return TokenBytes(inside=inside + shape.heads * FP32, outside=4 * shape.hidden * e + 2 * FP32)
+    attention = (2 * shape.q_width + 2 * shape.kv_width) * e + shape.heads * FP32
+    outside = 4 * shape.hidden * e + 2 * FP32
+    if not moe:
+        return TokenBytes(inside=attention + shape.ffn_matrices * shape.ffn * e, outside=outside)
+    k = shape.routed_copies
+    return TokenBytes(
+        inside=attention + shape.ffn_matrices * shape.shared_expert_ffn * e,
+        outside=outside + shape.experts * FP32,
+        routed_outside=k * (shape.hidden * e + FP32),
+        routed_inside=k * shape.ffn_matrices * shape.moe_ffn * e,
+    )
 
 
 def layer_activation_bytes_per_token(shape: ModelShape) -> int:
@@ -70,7 +91,7 @@ def layer_activation_bytes_per_token(shape: ModelShape) -> int:
     return layer_activation_parts(shape).total
 
 
-def layer_weight_share_parts(shape: ModelShape) -> TokenBytes:
+def layer_weight_share_parts(shape: ModelShape, moe: bool = False) -> TokenBytes:
     """Bytes one layer keeps after B until W: the two operands of every weight-gradient GEMM
     (dW = dY^T X), i.e. each linear's input X and the gradient dY of its output.
 
@@ -78,10 +99,24 @@ def layer_weight_share_parts(shape: ModelShape) -> TokenBytes:
     down (fc2): X f, dY h. For a multi-head (g = a) Llama this equals the whole saved activation
     less the fp32 extras: deferring W frees little at B, as the zero-bubble papers note. The four
     h-wide operands lie outside the TP region, the rest inside.
+
+    An MoE layer: the router's dY (E logits) joins the four h-wide operands; the shared expert
+    is a dense MLP of width f_s; each routed copy keeps its expert's fc1 input and fc2 output
+    gradient (2h) and the FFN operands of width f_e.
     """
     e = shape.bytes_per_element
-    inside = 2 * shape.q_width + 2 * shape.kv_width + shape.ffn_matrices * shape.ffn
-    return TokenBytes(inside=inside * e, outside=4 * shape.hidden * e)
+    attention = 2 * shape.q_width + 2 * shape.kv_width
+    if not moe:
+        return TokenBytes(
+            inside=(attention + shape.ffn_matrices * shape.ffn) * e, outside=4 * shape.hidden * e
+        )
+    k = shape.routed_copies
+    return TokenBytes(
+        inside=(attention + shape.ffn_matrices * shape.shared_expert_ffn) * e,
+        outside=(4 * shape.hidden + shape.experts) * e,
+        routed_outside=k * 2 * shape.hidden * e,
+        routed_inside=k * shape.ffn_matrices * shape.moe_ffn * e,
+    )
 
 
 def layer_weight_share_bytes_per_token(shape: ModelShape) -> int:
@@ -173,20 +208,30 @@ class FlopCosts:
         if self.pipeline_ranks is None:
             self.pipeline_ranks = self.num_stages
         self._ends = [sum(self.slice_lengths[: j + 1]) for j in range(len(self.slice_lengths))]
+        self._moe_layers = stage_moe_layers(self.shape, self.layers_per_stage)
+        moe = sum(self._moe_layers)
+        dense = sum(self.layers_per_stage) - moe
+        b, s = self.micro_batch_size, self.seq_length
         self.microbatch_activation = float(
-            sum(self.layers_per_stage)
-            * self.micro_batch_size
-            * self.seq_length
-            * self.parallel.activation(layer_activation_parts(self.shape))
+            dense * b * s * self.parallel.activation(layer_activation_parts(self.shape))
+            + moe * b * s * self.parallel.activation(layer_activation_parts(self.shape, moe=True))
         )
+
+    def _per_layer(self, stage: int, dense: float, moe: float) -> float:
+        """A stage's total of ``dense`` per dense layer and ``moe`` per MoE layer."""
+        moe_layers = self._moe_layers[stage]
+        return (self.layers_per_stage[stage] - moe_layers) * dense + moe_layers * moe
 
     # ---- FLOPs ---------------------------------------------------------------------------
 
     def _tokens(self, op: Op) -> int:
         return self.micro_batch_size * self.slice_lengths[op.slice]
 
-    def _layer_gemm_flops(self, op: Op) -> float:
-        return float(self.shape.layer_linear_flops_per_token() * self._tokens(op))
+    def _layers_gemm_flops(self, op: Op) -> float:
+        """GEMM FLOPs of the op's stage's layers (dense and MoE) over its tokens."""
+        tokens = self._tokens(op)
+        dense = float(self.shape.layer_linear_flops_per_token() * tokens)
+        return self._per_layer(op.stage, dense, self.shape.moe_layer_linear_flops_per_token() * tokens)
 
     def _layer_attention_flops(self, op: Op) -> float:
         pairs = causal_pairs(self.slice_lengths[op.slice], self._ends[op.slice])
@@ -212,9 +257,8 @@ class FlopCosts:
             return (s_gemms if op.kind == OpKind.S else t_gemms) * self.vocab_gemm_flops(op)
         if op.kind not in (OpKind.F, OpKind.B, OpKind.W, OpKind.BW):
             return 0.0
-        layers = self.layers_per_stage[op.stage]
-        gemm = layers * self._layer_gemm_flops(op) + self._head_gemm_flops(op)
-        attention = layers * self._layer_attention_flops(op)
+        gemm = self._layers_gemm_flops(op) + self._head_gemm_flops(op)
+        attention = self.layers_per_stage[op.stage] * self._layer_attention_flops(op)
         if op.kind == OpKind.F:
             return gemm + attention
         if op.kind == OpKind.B:
@@ -230,8 +274,9 @@ class FlopCosts:
     def duration(self, op: Op) -> float:
         return self.flops(op) / (self.peak_flops * self.utilisation)
 
-    def _bytes(self, op: Op, per_layer: TokenBytes, head: TokenBytes) -> float:
-        per_token = self.layers_per_stage[op.stage] * self.parallel.activation(per_layer)
+    def _bytes(self, op: Op, per_layer: TokenBytes, per_moe_layer: TokenBytes, head: TokenBytes) -> float:
+        activation = self.parallel.activation
+        per_token = self._per_layer(op.stage, activation(per_layer), activation(per_moe_layer))
         if op.stage == self.num_stages - 1:
             per_token += self.parallel.activation(head)
         return per_token * self._tokens(op)
@@ -242,12 +287,14 @@ class FlopCosts:
         return self._bytes(
             op,
             layer_activation_parts(self.shape),
+            layer_activation_parts(self.shape, moe=True),
             head if self.splits_vocab else head_activation_parts(self.shape),
         )
 
     def weight_share(self, op: Op) -> float:
         head = TokenBytes(0, 0) if self.splits_vocab else head_weight_share_parts(self.shape)
-        return self._bytes(op, layer_weight_share_parts(self.shape), head)
+        moe = layer_weight_share_parts(self.shape, moe=True)
+        return self._bytes(op, layer_weight_share_parts(self.shape), moe, head)
 
     def vocab_activation(self, op: Op) -> float:
         """What an S keeps until its T: the softmax shard (V/p fp32 per token, inside the TP

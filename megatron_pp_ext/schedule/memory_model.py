@@ -11,6 +11,10 @@ Two things the simulator needs to report a rank's memory in bytes the way Megatr
 * the *static* bytes a rank holds for the whole step (:func:`static_memory`): weights, gradient
   buffers and Adam state of the layers, embedding and output layer its virtual stages own.
 
+Mixture-of-experts layers add expert parallelism (EP, and expert TP, ETP, Megatron's default the
+TP size): a rank holds E/EP routed experts, each cut over ETP ranks, and the distributed optimizer
+shards their state over the expert data-parallel group, TP x CP x DP / (EP x ETP) ranks.
+
 Layers are split over virtual stages as the runtime does (:func:`stage_layers`). Pure Python: the
 schedule core imports no torch.
 """
@@ -18,7 +22,7 @@ schedule core imports no torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from .ir import Placement
@@ -38,14 +42,19 @@ class ParallelError(ValueError):
 
 class TokenBytes(NamedTuple):
     """Activation bytes per token, split by where Megatron keeps them: ``inside`` the TP region
-    (sharded over TP ranks) or ``outside`` it (replicated unless sequence parallel)."""
+    (sharded over TP ranks) or ``outside`` it (replicated unless sequence parallel). The routed
+    experts' tensors (their k copies of each token) are apart: ``routed_outside`` (each copy's
+    input, whole on every expert-TP rank) and ``routed_inside`` (FFN intermediates, split over
+    the expert-TP ranks)."""
 
-    inside: int
-    outside: int
+    inside: float
+    outside: float
+    routed_outside: float = 0
+    routed_inside: float = 0
 
     @property
-    def total(self) -> int:
-        return self.inside + self.outside
+    def total(self) -> float:
+        return self.inside + self.outside + self.routed_outside + self.routed_inside
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,17 @@ class Parallelism:
     cp: int = 1
     dp: int = 1
     distributed_optimizer: bool = False
+    ep: int = 1  # expert parallel: the routed experts of a layer are split over EP ranks
+    etp: int | None = None  # expert TP; None: the TP size, as Megatron defaults it
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Megatron's expert data-parallel size: a stage's TP x CP x DP ranks over EP x ETP."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
 
     @property
     def sequence_split(self) -> int:
@@ -76,22 +96,74 @@ class Parallelism:
         group (CP ranks hold the same weights), so CP shards it too."""
         return self.dp * self.cp if self.distributed_optimizer else 1
 
+    @property
+    def expert_optimizer_shards(self) -> int:
+        """Ranks the distributed optimizer shards the experts' state over: the expert DP group."""
+        return self.expert_dp if self.distributed_optimizer else 1
+
     def activation(self, per_token: TokenBytes) -> float:
-        """Bytes per token on one rank: inside / t + outside / (t if SP else 1), all / c."""
-        return (per_token.inside / self.tp + per_token.outside / (self.tp if self.sp else 1)) / self.cp
+        """Bytes per token on one rank: inside / t + outside / (t if SP else 1), all / c. With
+        balanced routing, the ETP ranks of an expert together take the routed copies of t / ETP
+        ranks' tokens (the EP ranks swap tokens, not change their number): each holds the
+        inputs of ETP / t of its TP group's copies and 1 / t of their intermediates."""
+        dense = per_token.inside / self.tp + per_token.outside / (self.tp if self.sp else 1)
+        routed = (per_token.routed_outside * self.expert_tp + per_token.routed_inside) / self.tp
+        return (dense + routed) / self.cp
 
 
 def tp_indivisible(shape: ModelShape, tp: int) -> str | None:
     """What of ``shape`` TP ``tp`` does not split evenly ("64 attention heads"), or None: Megatron
-    splits heads, KV heads and the FFN width over the tensor-parallel ranks."""
+    splits heads, KV heads, the FFN width (of the dense layers) and the shared expert's over the
+    tensor-parallel ranks."""
     for what, count in (
         ("attention heads", shape.heads),
         ("KV heads", shape.kv_heads),
-        ("FFN width", shape.ffn),
+        ("FFN width", shape.ffn if not all(shape.moe_layers()) else 0),
+        ("shared-expert width", shape.shared_expert_ffn),
     ):
         if count % tp:
             return f"{count} {what}"
     return None
+
+
+EP_FLAG = "--expert-model-parallel-size"
+ETP_FLAG = "--expert-tensor-parallel-size"
+
+
+def check_experts(shape: ModelShape, parallel: Parallelism) -> None:
+    """Raise :class:`ParallelError` for expert parallelism megatron-core would refuse: EP must
+    divide the experts, EP x ETP a stage's TP x CP x DP ranks (its expert groups), ETP the
+    experts' FFN width; MoE with TP needs sequence parallelism (its MoE layer raises)."""
+    for flag, size in ((EP_FLAG, parallel.ep), (ETP_FLAG, parallel.expert_tp)):
+        if size < 1:
+            raise ParallelError(f"{flag} must be at least 1, got {size}", flag)
+    if not shape.experts:
+        for flag, given in ((EP_FLAG, parallel.ep != 1), (ETP_FLAG, parallel.etp is not None)):
+            if given:
+                raise ParallelError(f"{flag} needs a mixture-of-experts model; {shape.name} is dense", flag)
+        return
+    if shape.experts % parallel.ep:
+        raise ParallelError(
+            f"{EP_FLAG} {parallel.ep} does not divide the {shape.experts} experts of {shape.name}", EP_FLAG
+        )
+    stage = parallel.tp * parallel.cp * parallel.dp
+    if stage % (parallel.ep * parallel.expert_tp):
+        raise ParallelError(
+            f"{EP_FLAG} {parallel.ep} x {ETP_FLAG} {parallel.expert_tp} must divide the {stage} ranks "
+            "of a pipeline stage (tensor x context x data parallel sizes)",
+            EP_FLAG,
+        )
+    if shape.moe_ffn % parallel.expert_tp:
+        raise ParallelError(
+            f"{ETP_FLAG} {parallel.expert_tp} (default: the TP size) does not divide the expert FFN "
+            f"width {shape.moe_ffn} of {shape.name}",
+            ETP_FLAG,
+        )
+    if parallel.tp > 1 and not parallel.sp:
+        raise ParallelError(
+            "--sequence-parallel: megatron-core's MoE layers with tensor parallelism need it",
+            "--sequence-parallel",
+        )
 
 
 def check_parallel(shape: ModelShape, seq_length: int, parallel: Parallelism) -> None:
@@ -114,6 +186,7 @@ def check_parallel(shape: ModelShape, seq_length: int, parallel: Parallelism) ->
             f"--tensor-model-parallel-size {parallel.tp} does not divide the {indivisible} of {shape.name}",
             "--tensor-model-parallel-size",
         )
+    check_experts(shape, parallel)
     multiple = parallel.sequence_multiple
     if seq_length % multiple:
         parts = (
@@ -144,6 +217,19 @@ def stage_layers(num_layers: int, num_stages: int) -> list[int]:
     return counts
 
 
+def stage_moe_layers(shape: ModelShape, layers_per_stage: list[int]) -> list[int]:
+    """MoE layers of each virtual stage: stage i holds the next ``layers_per_stage[i]`` layers in
+    model order (as the runtime builds them), so ``moe_layer_freq`` decides the mix. Zeros for a
+    dense model."""
+    if not shape.experts:
+        return [0] * len(layers_per_stage)
+    pattern = shape.moe_layers()
+    if sum(layers_per_stage) != len(pattern):
+        raise ValueError(f"layers per stage {layers_per_stage} do not add up to the {len(pattern)} layers")
+    starts = [sum(layers_per_stage[:stage]) for stage in range(len(layers_per_stage))]
+    return [sum(pattern[start : start + count]) for start, count in zip(starts, layers_per_stage)]
+
+
 def padded_vocab(vocab: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
     """Megatron-LM pads the vocabulary to a multiple of ``divisible_by`` x t so every TP rank
     gets an equal vocab-parallel shard."""
@@ -160,19 +246,37 @@ def rank_params(
 ) -> list[int]:
     """Parameters each pipeline rank holds on one TP rank: a layer's GEMM weights / t plus its two
     norm weights (replicated over TP), the untied embedding and output layer (V x h each,
-    vocab-parallel: / t) on the ranks of the first and last stage, and the final norm."""
+    vocab-parallel: / t) on the ranks of the first and last stage, and the final norm. An MoE
+    layer counts its attention and shared expert / t and its router (replicated); its routed
+    experts are :func:`rank_expert_params`'s, since EP, not TP, splits them."""
     if len(layers_per_stage) != placement.num_stages:
         raise ValueError(f"{len(layers_per_stage)} layer counts for {placement.num_stages} stages")
-    layer = shape.layer_params() // tp + 2 * shape.hidden
+    norms = 2 * shape.hidden
+    layer = shape.layer_params() // tp + norms
+    moe_layer = (
+        (shape.attention_params() + shape.shared_expert_params()) // tp + shape.router_params() + norms
+    )
     vocab_shard = padded_vocab(shape.vocab, tp, vocab_divisible_by) // tp * shape.hidden
     params = [0] * placement.pp
-    for stage, layers in enumerate(layers_per_stage):
+    for stage, (layers, moe) in enumerate(zip(layers_per_stage, stage_moe_layers(shape, layers_per_stage))):
         rank = placement.rank_of(stage)
-        params[rank] += layers * layer
+        params[rank] += (layers - moe) * layer + moe * moe_layer
         if stage == 0:
             params[rank] += vocab_shard
         if stage == placement.num_stages - 1:
             params[rank] += vocab_shard + shape.hidden
+    return params
+
+
+def rank_expert_params(
+    shape: ModelShape, placement: Placement, layers_per_stage: list[int], parallel: Parallelism
+) -> list[int]:
+    """Routed-expert parameters each pipeline rank holds: per MoE layer, E / EP experts, each's
+    weights / ETP (0 for a dense model)."""
+    per_layer = shape.experts // parallel.ep * (shape.expert_params() // parallel.expert_tp)
+    params = [0] * placement.pp
+    for stage, moe in enumerate(stage_moe_layers(shape, layers_per_stage)):
+        params[placement.rank_of(stage)] += moe * per_layer
     return params
 
 
@@ -184,28 +288,32 @@ def optimizer_bytes_per_param(param_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class MemoryParts:
-    """One rank's memory in bytes: peak activations and what the step holds throughout."""
+    """One rank's memory in bytes: peak activations and what the step holds throughout;
+    ``experts``: the routed experts' share of weights, gradients and optimizer (in them)."""
 
     activations: float
     weights: float
     gradients: float
     optimizer: float
+    experts: float = 0.0
 
     @property
     def total(self) -> float:
         return self.activations + self.weights + self.gradients + self.optimizer
 
     def with_activations(self, activations: float) -> MemoryParts:
-        return MemoryParts(activations, self.weights, self.gradients, self.optimizer)
+        return replace(self, activations=activations)
 
     def to_dict(self) -> dict[str, float]:
-        return {
+        """The parts and total; ``experts`` only for a rank that holds experts."""
+        parts = {
             "activations": self.activations,
             "weights": self.weights,
             "gradients": self.gradients,
             "optimizer": self.optimizer,
             "total": self.total,
         }
+        return {**parts, "experts": self.experts} if self.experts else parts
 
 
 def static_memory(
@@ -226,15 +334,24 @@ def static_memory(
     ``param_bytes`` defaults to the shape's element size; ``grad_bytes`` to fp32, Megatron's
     main_grad buffers for bf16 training (DDP accumulates and reduces in fp32). Gradients stay
     whole on every DP rank; the distributed optimizer shards Adam's state (and master weights)
-    over DP x CP."""
+    over DP x CP, and the routed experts' over the expert DP group."""
     parallel = parallel or Parallelism()
     if layers_per_stage is None:
         layers_per_stage = stage_layers(shape.layers, placement.num_stages)
     param_bytes = shape.bytes_per_element if param_bytes is None else param_bytes
-    state = optimizer_bytes_per_param(param_bytes) / parallel.optimizer_shards
+    adam = optimizer_bytes_per_param(param_bytes)
+    state, expert_state = adam / parallel.optimizer_shards, adam / parallel.expert_optimizer_shards
+    counts = (count_params or rank_params)(
+        shape, placement, layers_per_stage, parallel.tp, vocab_divisible_by
+    )
+    experts = rank_expert_params(shape, placement, layers_per_stage, parallel)
     return [
-        MemoryParts(0.0, float(count * param_bytes), float(count * grad_bytes), count * state)
-        for count in (count_params or rank_params)(
-            shape, placement, layers_per_stage, parallel.tp, vocab_divisible_by
+        MemoryParts(
+            0.0,
+            float((count + expert) * param_bytes),
+            float((count + expert) * grad_bytes),
+            count * state + expert * expert_state,
+            expert * (param_bytes + grad_bytes + expert_state),
         )
+        for count, expert in zip(counts, experts)
     ]

@@ -77,6 +77,28 @@ def weight_order_error(schedule: Schedule) -> str | None:
     return None
 
 
+def slice_order_error(schedule: Schedule) -> str | None:
+    """Where a stage runs a backward of a microbatch before all of that microbatch's slices ran
+    forward there (None: never).
+
+    Not a validity rule either, but statistics of the whole sequence that every slice's gradient
+    uses (a mixture-of-experts layer's tokens per expert) are complete at a microbatch's first
+    backward only where it holds. Every sliced generator keeps it: a microbatch's last slice runs
+    backward first, and it needs every earlier slice's forward."""
+    for rank, ops in enumerate(schedule.ranks):
+        forwards: dict[tuple[int, int], int] = defaultdict(int)
+        for position, op in enumerate(ops):
+            key = (op.stage, op.microbatch)
+            if op.kind == OpKind.F:
+                forwards[key] += 1
+            elif op.kind in (OpKind.B, OpKind.BW) and forwards[key] < schedule.slices:
+                return (
+                    f"{_where(rank, position)}: stage {op.stage} runs a backward of microbatch "
+                    f"{op.microbatch} after {forwards[key]} of its {schedule.slices} slices ran forward"
+                )
+    return None
+
+
 def _where(rank: int, position: int) -> str:
     return f"rank {rank} position {position}"
 

@@ -184,19 +184,13 @@ def _check_experts(settings: TrainSettings, model: Any) -> None:
         moe_pattern(model)
     except ValueError as error:
         raise UsageError("--moe-layer-freq", str(error)) from None
-    import torch
+    from ..megatron.model import experts_refusal_here
 
-    if torch.cuda.is_available():
-        return
-    dispatcher = extra.get("moe_token_dispatcher_type", "allgather")
-    if dispatcher != "allgather":
-        raise UsageError(
-            "--moe-token-dispatcher-type",
-            f"{dispatcher} needs CUDA (megatron-core's {dispatcher} dispatcher uses CUDA streams): "
-            "on CPU use allgather",
-        )
-    if extra.get("moe_grouped_gemm"):
-        raise UsageError("--moe-grouped-gemm", "needs Transformer Engine's grouped GEMM on a GPU: drop it")
+    refusal = experts_refusal_here(
+        extra.get("moe_token_dispatcher_type", "allgather"), bool(extra.get("moe_grouped_gemm"))
+    )
+    if refusal is not None:
+        raise UsageError(*refusal)
 
 
 def _check_sliced_experts(model: Any) -> None:
@@ -215,9 +209,10 @@ def _check_sliced_experts(model: Any) -> None:
 
 def _check_backend(settings: TrainSettings) -> None:
     """``--distributed-backend``: NCCL needs GPUs; gloo on GPUs (ranks sharing them) runs
-    pipeline parallelism only: the runtime stages its messages through host memory, but
-    Megatron's tensor-, context- and data-parallel collectives (and the vocabulary passes) would
-    hand gloo CUDA tensors it cannot move."""
+    pipeline and data parallelism: the runtime stages its messages through host memory, and
+    Megatron's DDP and post-validation theirs (``megatron/gloo_on_gpu.py``), but Megatron's
+    tensor- and context-parallel collectives (sequence parallelism's reduce-scatter) and the
+    vocabulary passes would hand gloo CUDA tensors it cannot move."""
     flag, backend = "--distributed-backend", settings.distributed_backend
     if backend is None:
         return
@@ -230,13 +225,12 @@ def _check_backend(settings: TrainSettings) -> None:
     for other, size in (
         ("--tensor-model-parallel-size", settings.tp),
         ("--context-parallel-size", settings.cp),
-        ("--data-parallel-size", settings.dp),
     ):
         if size > 1:
             raise UsageError(
                 flag,
-                f"gloo on GPUs (ranks sharing them) runs pipeline parallelism only: drop {other} {size}, "
-                "or use nccl with a GPU per rank",
+                f"gloo on GPUs (ranks sharing them) runs pipeline and data parallelism only: "
+                f"drop {other} {size}, or use nccl with a GPU per rank",
             )
     if settings.pipeline.vocab_parallel != "none":
         raise UsageError(flag, "gloo on GPUs cannot run --pp-vocab-parallel's collectives: use nccl")

@@ -87,8 +87,10 @@ def prepare(tree: Path) -> Path:
     if done.returncode != 0:
         common.fail(f"{PATCH.name} does not apply to {tree}")
     helpers = installed_helpers(tree)
+    datasets = copy / "megatron" / "core" / "datasets"  # absent from a carried copy (.whl/megatron-lm)
+    datasets.mkdir(parents=True, exist_ok=True)
     for built in helpers:
-        shutil.copy(built, copy / "megatron" / "core" / "datasets" / built.name)
+        shutil.copy(built, datasets / built.name)
     print(f"patched copy in {copy}; dataset helpers copied: {[p.name for p in helpers] or 'none found'}")
     marker.write_text(stamp)
     return copy
