@@ -96,6 +96,7 @@ CASES: list[tuple[str, str]] = [
     ),
     ("train --num-experts 4 --tensor-model-parallel-size 2", "--sequence-parallel"),
     ("train --num-experts 4 --moe-token-dispatcher-type flex", "--moe-token-dispatcher-type"),
+    ("train --pp-optimizer megatron", "--pp-optimizer"),
     ("train --num-experts 4 --moe-layer-freq '([0]*2+[1]*3)'", "--moe-layer-freq"),
     ("train --num-experts 4 --moe-layer-freq '([0]+[2]*7)'", "--moe-layer-freq"),
     (

@@ -221,3 +221,23 @@ def test_skipped_step_is_reported_in_the_log(runs) -> None:
     log = results[0]["v-zb-fp32/post/log"]  # v-zb reports on rank 0
     assert f"iteration {INF_ITERATION}: optimizer step skipped" in log, log[-2000:]
     assert "skipped=1" in log
+
+
+@pytest.mark.parametrize(
+    "requested, post_validation, cuda, built",
+    [
+        ("auto", False, True, "megatron"),
+        ("auto", True, True, "torch"),
+        ("auto", False, False, "torch"),
+        ("torch", False, True, "torch"),
+        ("megatron", False, True, "megatron"),
+    ],
+)
+def test_pp_optimizer_picks_the_optimizer(
+    requested: str, post_validation: bool, cuda: bool, built: str
+) -> None:
+    """``--pp-optimizer torch`` on a GPU builds the optimizer post-validation steps, so the GPU
+    round compares post-validation against the same optimizer without it."""
+    from megatron_pp_ext.megatron.optimizer import optimizer_kind
+
+    assert optimizer_kind(requested, post_validation, cuda) == built

@@ -203,6 +203,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "default), as the schedule has it at unit costs (auto, reproducible), rank 0 to p-1 (up) "
         "or p-1 to 0 (down)",
     )
+    parser.add_argument(
+        "--pp-optimizer",
+        choices=("auto", "megatron", "torch"),
+        default="auto",
+        help="Adam from megatron-core (fp32 main weights; GPUs only) or torch's on the model's weights "
+        "with Megatron's main_grad (what --pp-post-validation and CPUs use); auto: Megatron's on GPUs",
+    )
     add_args(parser)
     parser.set_defaults(run=run, pp_schedule=None, pp_seq_slices=None)  # None: the config's
 

@@ -316,18 +316,29 @@ def main_grads_finite(model: Sequence[Any]) -> tuple[bool, float]:
     return math.isfinite(norm), norm
 
 
+def optimizer_kind(requested: str, post_validation: bool, cuda: bool) -> str:
+    """ "megatron" or "torch": what ``--pp-optimizer`` (``requested``) builds on this machine."""
+    if requested == "megatron" and (post_validation or not cuda):
+        raise ValueError("megatron-core's optimizer needs CUDA and cannot be post-validated")
+    if requested == "auto":
+        return "torch" if post_validation or not cuda else "megatron"
+    return requested
+
+
 def build_optimizer(
     model: Sequence[Any],
     settings: OptimizerSettings,
     bf16: bool = False,
     post_validation: bool = False,
     chain: Sequence[int] | None = None,
+    kind: str = "auto",
 ) -> Any:
     """Megatron's optimizer on GPU, :class:`MainGradOptimizer` on CPU (see the module docstring)
     and wherever ``post_validation`` is asked for (Megatron's optimizer cannot roll a step back;
-    ``chain``: the pipeline ranks in the order they finish an iteration). Both have
-    ``param_groups`` and a ``step()``; Megatron's returns (ok, grad norm, zeros)."""
-    if post_validation or not torch.cuda.is_available():
+    ``chain``: the pipeline ranks in the order they finish an iteration); ``kind`` ("megatron",
+    "torch") picks one (``--pp-optimizer``: post-validation against the same optimizer without
+    it). Both have ``param_groups`` and a ``step()``; Megatron's returns (ok, grad norm, zeros)."""
+    if optimizer_kind(kind, post_validation, torch.cuda.is_available()) == "torch":
         return MainGradOptimizer(model, settings, post_validation=post_validation, chain=chain)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

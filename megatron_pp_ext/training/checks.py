@@ -51,6 +51,18 @@ def check(settings: TrainSettings) -> None:
             raise UsageError("--tensorboard-dir", "needs the tensorboard package: pip install tensorboard")
     if settings.post_validation_chain != "measured" and not settings.post_validation:
         raise UsageError("--pp-post-validation-chain", "needs --pp-post-validation")
+    if settings.optimizer == "megatron":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(
+                "--pp-optimizer", "megatron: megatron-core's optimizer needs CUDA; use torch or auto"
+            )
+        if settings.post_validation:
+            raise UsageError(
+                "--pp-optimizer",
+                "megatron: post-validation rolls steps back with torch's optimizer; use torch",
+            )
     if settings.log_interval < 1:
         raise UsageError("--log-interval", f"must be at least 1, got {settings.log_interval}")
     _check_eval(settings)

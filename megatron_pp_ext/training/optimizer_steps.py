@@ -173,7 +173,9 @@ def build_optimizer_steps(
         lr=settings.lr, weight_decay=settings.weight_decay, clip_grad=settings.clip_grad
     )
     if not settings.post_validation:
-        return OptimizerSteps(build_optimizer(model, optimizer_settings, bf16=bf16), model)
+        return OptimizerSteps(
+            build_optimizer(model, optimizer_settings, bf16=bf16, kind=settings.optimizer), model
+        )
     # post-validation's chain until the first iterations measured the order (_set_chain)
     unit_chain = completion_order(schedule)
     optimizer = build_optimizer(

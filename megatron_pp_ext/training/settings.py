@@ -75,6 +75,7 @@ class TrainSettings:
     load_rng: bool = True
     post_validation: bool = False  # Zero Bubble's optimizer post-validation
     post_validation_chain: str = "measured"  # the partial state's order: measured, auto, up, down
+    optimizer: str = "auto"  # --pp-optimizer: auto, megatron, torch
     transformer_impl: str | None = None  # Megatron's --transformer-impl; None: use_te() decides
     # Megatron's --distributed-backend; None: NCCL on GPUs, gloo on CPU; gloo on GPUs shares them
     distributed_backend: str | None = None
@@ -205,6 +206,7 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         load_rng=not args.no_load_rng,
         post_validation=args.pp_post_validation,
         post_validation_chain=getattr(args, "pp_post_validation_chain", None) or "measured",
+        optimizer=getattr(args, "pp_optimizer", None) or "auto",
         transformer_impl=args.transformer_impl,
         distributed_backend=args.distributed_backend,
         chunks_flag=chunks_flag,

@@ -39,6 +39,8 @@ def bench(extra: list[str]) -> dict:
         saved = Path(scratch) / "bench.json"
         command = [sys.executable, "-m", "megatron_pp_ext", "bench", "--against", "megatron", "--pp", str(PP)]
         command += ["--model-size", "medium", "--microbatches", "8", "--iterations", "10", "--warmup", "2"]
+        # a stuck transfer fails within 60 s (process groups in 2 x 60 + 60 s), inside the step's limit
+        command += ["--timeout", "60"]
         command += [*shared, *extra, "--save", str(saved)]
         print("$", " ".join(command), flush=True)
         done = subprocess.run(command, text=True)
