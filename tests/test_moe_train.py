@@ -96,6 +96,23 @@ def test_experts_over_two_ranks_train_as_over_one(runs, dispatcher: str) -> None
         )
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "v-zb"])
+def test_other_schedule_families_with_experts_over_two_ranks_train_as_over_one(
+    runs, schedule: str, tmp_path: Path
+) -> None:
+    """Interleaved 1F1B and a V-shape at EP 2 (alltoall) against ZB-H1 at EP 1: the schedule and
+    the expert split change nothing (ZB-H1 above; DualPipeV and 1F1B through pretrain_gpt.py)."""
+    metrics = tmp_path / "metrics.jsonl"
+    flags = ["--expert-model-parallel-size", "2", *ALLTOALL, "--pp-schedule", schedule]
+    done = run_cli(["train", *COMMON, *flags, "--metrics", str(metrics)], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for one, two in zip(runs["ep1"], rows, strict=True):
+        limit, at = _tolerance(one["iteration"]), f"{schedule}, iteration {one['iteration']}"
+        check(_relative(two["loss"], one["loss"]), limit, f"loss of {at}")
+        check(_relative(two["grad_norm"], one["grad_norm"]), limit, f"grad norm of {at}")
+
+
 def test_a_checkpoint_resumes_bitwise_under_its_layout(runs) -> None:
     straight = {row["iteration"]: row for row in runs["ep2"]}
     resumed = runs["resumed"]

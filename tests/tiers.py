@@ -47,6 +47,9 @@ FULL_ONLY: dict[str, str] = {
         "test_experts_over_two_ranks_train_as_over_one (EP 2); TP 2 + SP and CP 2 are test_parallel_compose's"
     ),
     "tests/test_moe_train.py::test_experts_over_two_ranks_train_as_over_one[[]allgather]": "the alltoall one",
+    "tests/test_moe_train.py::test_other_schedule_families_with_experts_over_two_ranks_train_as_over_one*": (
+        "ZB-H1 at EP 2 (test_experts_over_two_ranks_train_as_over_one); every family at EP 1 in test_moe_exact"
+    ),
     "tests/test_pretrain_gpt.py::test_train_step_moe_with_expert_parallelism_equals_megatron_s_1f1b*": (
         "test_moe_exact (megatron-core's schedule) and test_moe_train (EP 2)"
     ),

@@ -17,8 +17,10 @@ stages what megatron-core sends:
   buffer that the request's ``wait()`` copies into Megatron's device tensor.
 
 Each gives that one module a view of ``torch`` (``cpu_shim.module_view``); nothing outside it
-sees a change. A host tensor passes straight through (:func:`on_device` decides), so under gloo on
-CPU the calls are gloo's own. Installed only where ranks run gloo on CUDA
+sees a change. A host tensor, and any call over an NCCL group, passes straight through (:func:`on_device` and
+the group's backend decide), so under gloo on CPU the calls are gloo's own and our own code calls
+these functions wherever it talks over a group that may be gloo (the optimizer's norm and shard
+gather). Installed only where ranks run gloo on CUDA
 (:func:`install_where_needed`); NCCL runs megatron-core unchanged.
 """
 
@@ -39,6 +41,12 @@ _installed: set[str] = set()
 def on_device(tensor: Tensor) -> bool:
     """Whether gloo cannot take ``tensor`` as it is (it lives outside host memory)."""
     return tensor.device.type != "cpu"
+
+
+def _staged(group: Any, *tensors: Tensor) -> bool:
+    """Whether a call over ``group`` with ``tensors`` goes through host memory: gloo, and a
+    tensor gloo cannot take (NCCL's calls pass unchanged, so these functions serve both)."""
+    return any(on_device(t) for t in tensors) and dist.get_backend(group) == "gloo"
 
 
 def needed() -> bool:
@@ -91,7 +99,7 @@ def staged_isend(
     tensor: Tensor, dst: int | None = None, group: Any = None, tag: int = 0, **kwargs: Any
 ) -> Any:
     """``dist.isend`` of a host copy of ``tensor`` (``tensor`` itself when it is on the host)."""
-    if not on_device(tensor):
+    if not _staged(group, tensor):
         return dist.isend(tensor, dst, group, tag, **kwargs)
     host = tensor.detach().to("cpu", copy=True)
     return StagedWork(dist.isend(host, dst, group, tag, **kwargs), host)
@@ -102,7 +110,7 @@ def staged_irecv(
 ) -> Any:
     """``dist.irecv`` into a host buffer that ``wait()`` copies into ``tensor`` (directly into
     ``tensor`` when it is on the host)."""
-    if not on_device(tensor):
+    if not _staged(group, tensor):
         return dist.irecv(tensor, src, group, tag, **kwargs)
     host = torch.empty(tensor.shape, dtype=tensor.dtype)
     return StagedWork(dist.irecv(host, src, group, tag, **kwargs), host, tensor)
@@ -112,7 +120,7 @@ def staged_all_reduce(
     tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Any:
     """``dist.all_reduce`` on a host copy, copied back; complete when it returns."""
-    if not on_device(tensor):
+    if not _staged(group, tensor):
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     host = tensor.detach().to("cpu", copy=True)
     dist.all_reduce(host, op=op, group=group)
@@ -125,7 +133,7 @@ def staged_reduce_scatter_tensor(
     output: Tensor, input: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Any:
     """``dist.reduce_scatter_tensor`` through host memory (the distributed optimizer's shards)."""
-    if not (on_device(output) or on_device(input)):
+    if not _staged(group, output, input):
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
     host_out = torch.empty(output.shape, dtype=output.dtype)
     dist.reduce_scatter_tensor(host_out, input.detach().to("cpu", copy=True), op=op, group=group)
@@ -138,7 +146,7 @@ def staged_all_gather_into_tensor(
     output: Tensor, input: Tensor, group: Any = None, async_op: bool = False
 ) -> Any:
     """``dist.all_gather_into_tensor`` through host memory (the distributed optimizer's gather)."""
-    if not (on_device(output) or on_device(input)):
+    if not _staged(group, output, input):
         return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
     host_out = torch.empty(output.shape, dtype=output.dtype)
     dist.all_gather_into_tensor(host_out, input.detach().to("cpu", copy=True), group=group)

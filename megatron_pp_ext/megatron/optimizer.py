@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
+from . import gloo_on_gpu
 from .post_validation import PendingState, PostValidation, Snapshot
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq")
@@ -265,7 +265,7 @@ def gather_grad_shards(model: Sequence[Any]) -> None:
             rank = group.intra_distributed_optimizer_instance_rank
             for bucket in group.buckets:
                 mine = shard_buffer(bucket.grad_data, size)[rank].clone()
-                dist.all_gather_into_tensor(
+                gloo_on_gpu.staged_all_gather_into_tensor(
                     bucket.grad_data, mine, group=group.intra_distributed_optimizer_instance_group
                 )
 
@@ -291,12 +291,14 @@ def global_grad_norm(params: Sequence[torch.Tensor], main_grad: bool = False) ->
     for expert weights sums them (with EP 1 and expert TP = TP that is the same group)."""
     if not experts_split_otherwise():
         total = local_square_sum(params, main_grad)
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+        gloo_on_gpu.staged_all_reduce(total, group=parallel_state.get_model_parallel_group())
         return float(total.sqrt())
     dense = local_square_sum([param for param in params if getattr(param, "allreduce", True)], main_grad)
-    dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+    gloo_on_gpu.staged_all_reduce(dense, group=parallel_state.get_model_parallel_group())
     routed = local_square_sum([param for param in params if not getattr(param, "allreduce", True)], main_grad)
-    dist.all_reduce(routed, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    gloo_on_gpu.staged_all_reduce(
+        routed, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+    )
     return float((dense + routed).sqrt())
 
 

@@ -80,13 +80,17 @@ class SlicedTopKRouter(TopKRouter):
     slice_context: SliceContext
     sequence_counts: dict[int, SequenceCounts]
 
-    def _sequence_share(self) -> tuple[int, int, int]:
-        """(slice index, tokens of the running slice, tokens of its sequence), one sequence."""
-        microbatch, slice_index = self.slice_context.current or (None, None)
-        lengths = self.slice_context.slicing(microbatch)
-        if slice_index is None or lengths is None:
-            raise RuntimeError("a sliced router ran outside a slice (no SliceContext.begin)")
-        return slice_index, lengths[slice_index], sum(lengths)
+    def _sequence_share(self) -> tuple[int, int, int] | None:
+        """(slice index, tokens of the running slice, tokens of its sequence), one sequence; None
+        where the whole sequence runs at once (an unsliced schedule on sliced chunks, as under
+        context parallelism in ``train``): megatron-core's router is then the sequence's."""
+        current = self.slice_context.current
+        if current is None:
+            return None
+        lengths = self.slice_context.slicing(current[0])
+        if lengths is None or len(lengths) == 1:
+            return None
+        return current[1], lengths[current[1]], sum(lengths)
 
     def _apply_aux_loss(
         self, probs: Tensor, scores_for_aux_loss: Tensor, routing_map: Tensor, with_padding_mask: bool = False
@@ -94,12 +98,15 @@ class SlicedTopKRouter(TopKRouter):
         coeff = self.get_aux_loss_coeff("aux_loss")
         if coeff == 0:
             return probs
+        share = self._sequence_share()
+        if share is None:
+            return super()._apply_aux_loss(probs, scores_for_aux_loss, routing_map, with_padding_mask)
         if with_padding_mask:
             raise ValueError("padding masks with sequence slices: the sequence's token count is not known")
         counts, local_tokens, total_tokens = get_tokens_per_expert_and_token_count(
             routing_map=routing_map, reduce_group=self.tp_cp_group, topk=self.topk
         )
-        slice_index, slice_tokens, sequence_tokens = self._sequence_share()
+        slice_index, slice_tokens, sequence_tokens = share
         microbatch = self.slice_context.current[0]
         if slice_index == 0:
             self.sequence_counts[microbatch] = SequenceCounts(len(self.slice_context.slicing(microbatch)))
@@ -120,9 +127,10 @@ class SlicedTopKRouter(TopKRouter):
     def apply_z_loss(self, logits: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         coeff = self.config.moe_z_loss_coeff
         training = self.training and torch.is_grad_enabled()
-        if coeff is None or self.calculate_per_token_loss or not training:
+        share = self._sequence_share()
+        if coeff is None or self.calculate_per_token_loss or not training or share is None:
             return super().apply_z_loss(logits, padding_mask=padding_mask)
-        _, slice_tokens, sequence_tokens = self._sequence_share()
+        _, slice_tokens, sequence_tokens = share
         self.config.moe_z_loss_coeff = coeff * slice_tokens / sequence_tokens  # this slice's weight
         try:
             return super().apply_z_loss(logits, padding_mask=padding_mask)

@@ -165,9 +165,11 @@ class Creation:
     def _handshake(self, communicator: Communicator, peer: int, deadline: float, digest: int = 0) -> int:
         """The sender sends a token, the receiver answers: both block until the other arrives
         (the sender's first message goes the channel's way, as Megatron's first send does). The
-        tokens carry each end's ``digest``; returns the peer's."""
-        token = torch.tensor([digest], dtype=torch.int64, device=self.comm.device)
-        answer = torch.zeros(1, dtype=torch.int64, device=self.comm.device)
+        tokens carry each end's ``digest``; returns the peer's. They travel as the pipeline's
+        messages do (host memory under gloo, where ranks may share a GPU)."""
+        wire = self.comm.wire_device(self.comm.device)
+        token = torch.tensor([digest], dtype=torch.int64, device=wire)
+        answer = torch.zeros(1, dtype=torch.int64, device=wire)
         group = communicator.group
         peer_index = self.comm.ranks.index(peer)
         what = f"creating {communicator.name} with"
