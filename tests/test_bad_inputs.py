@@ -111,6 +111,11 @@ CASES: list[tuple[str, str]] = [
     ("plan --gpus 8 --model tiny-mixtral", "--model"),
     ("simulate --model tiny-deepseek --expert-model-parallel-size 3", "--expert-model-parallel-size"),
     ("simulate --schedule no-such --pp 4 --microbatches 8", "--schedule"),
+    ("simulate --model llama-7b --pp-expert-comm 1", "--pp-expert-comm"),
+    (
+        "simulate --schedule dualpipev --overlap-moe-expert-parallel-comm --pp-offload full",
+        "--overlap-moe-expert-parallel-comm",
+    ),
     ("simulate --schedule 1f1b --pp 0 --microbatches 4", "--pp"),
     ("simulate --schedule 1f1b --pp 4 --microbatches 0", "--microbatches"),
     ("simulate --schedule-file /nonexistent/schedule.txt", "--schedule-file"),

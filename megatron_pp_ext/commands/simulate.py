@@ -70,6 +70,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--costs", default="1,1,1", help="F,B,W durations per (stage, microbatch)")
     parser.add_argument("--comm", type=float, default=0.0, help="p2p latency (same unit as --costs)")
+    parser.add_argument(
+        "--overlap-moe-expert-parallel-comm",
+        action="store_true",
+        help="(Megatron's flag) run adjacent forwards and backwards of different microbatches as "
+        "overlapped pairs, each op's expert all-to-all hidden behind the other's compute, where "
+        "the pair neither deadlocks nor lengthens the step (schedule/pairing.py)",
+    )
+    parser.add_argument(
+        "--pp-expert-comm",
+        type=float,
+        default=0.0,
+        help="the expert all-to-all time of a whole microbatch's forward (and of its backward) on a "
+        "rank, same unit as --costs: part of each F and B unless paired (uniform model)",
+    )
     add_completion_argument(parser)
     parser.add_argument(
         "--weight-fraction",
@@ -406,6 +420,12 @@ def cost_model(
             ranks_per_host=args.pp_ranks_per_host,
             vocab_forward=s_cost,
             vocab_backward=t_cost,
+            expert_comm=args.pp_expert_comm,
+        )
+    if args.pp_expert_comm:
+        raise UsageError(
+            "--pp-expert-comm",
+            "the uniform model's all-to-all time: with --model the FLOP model has none yet",
         )
     from ..schedule.flops import flop_costs_for
     from ..schedule.partition import DEFAULT_UNIT
@@ -548,6 +568,8 @@ def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
         raise UsageError(flag, str(error)) from None
     model = model_for(args, schedule, costs)
     run = run_of(args, schedule)
+    if args.overlap_moe_expert_parallel_comm:
+        schedule = paired(args, schedule, model)
     variant = args.pp_vocab_parallel
     if variant == "none":
         return finish(args, as_run(schedule, run), model)
@@ -564,6 +586,25 @@ def simulate_one(args: argparse.Namespace, name: str) -> SimResult:
     if isinstance(vocab_model, UniformCosts):
         model = unsplit_costs(vocab_model, schedule)  # the last stage carries the output layer
     result.without_vocab = finish(args, as_run(schedule, run), model)
+    return result
+
+
+def paired(args: argparse.Namespace, schedule: Schedule, model: CostModel) -> Schedule:
+    """``schedule`` with its overlapped F&B pairs (``--overlap-moe-expert-parallel-comm``); the
+    makespan without them goes into its meta for the report."""
+    from ..schedule import pairing
+
+    flag = "--overlap-moe-expert-parallel-comm"
+    for other, value in (
+        ("--pp-vocab-parallel", args.pp_vocab_parallel != "none"),
+        ("--pp-offload", args.pp_offload != "none"),
+        ("--pp-attn-redistribution", bool(args.pp_attn_redistribution)),
+        ("--slices", schedule.slices > 1),
+    ):
+        if value:
+            raise UsageError(flag, f"not with {other} yet: the pair's order does not place its ops")
+    result = pairing.pair(schedule, model)
+    result.meta["makespan_unpaired"] = simulate(schedule, model).makespan
     return result
 
 
@@ -673,6 +714,9 @@ def _row(
     if memory is not None:
         row["act GiB (max)"] = f"{max(data['peak_memory_bytes']) / 2**30:.2f}"
         row["total GiB (max)"] = f"{max(p.total for p in memory) / 2**30:.2f}"
+    if "makespan_unpaired" in result.schedule.meta:
+        row["pairs"] = sum(len(found) for found in result.schedule.meta.get("pairs") or [])
+        row["unpaired: makespan"] = f"{result.schedule.meta['makespan_unpaired']:.4g}"
     if result.baseline is not None:
         row["no offload: peak M (max)"] = f"{max(result.baseline.peak_memory_m):.3f}"
         row["no offload: bubble"] = f"{result.baseline.bubble_rate:.3f}"

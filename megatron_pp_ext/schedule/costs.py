@@ -90,6 +90,9 @@ class UniformCosts:
     ``vocab_backward`` (1/k per slice; they run per rank, not per stage), an S holds
     ``vocab_memory`` (in M) until its T, and every collective takes ``collective`` once all ranks
     issued it. All 0 by default.
+
+    Mixture-of-experts: ``expert_comm`` is the expert all-to-all time of a whole microbatch's F
+    (and of its B), part of the op's duration unless an overlapped pair hides it; 0 by default.
     """
 
     num_stages: int
@@ -108,6 +111,7 @@ class UniformCosts:
     vocab_backward: float = 0.0
     vocab_memory: float = 0.0
     collective: float = 0.0
+    expert_comm: float = 0.0  # a whole microbatch's expert all-to-all per F and per B (in its time)
 
     def _slice_share(self) -> float:
         return 1.0 / (self.num_slices * self.chunks_per_rank)
@@ -121,7 +125,14 @@ class UniformCosts:
             OpKind.W: self.weight,
             OpKind.BW: self.backward + self.weight,
         }.get(op.kind, 0.0)
-        return base * self._slice_share()
+        return base * self._slice_share() + self.expert_comm_time(op)
+
+    def expert_comm_time(self, op: Op) -> float:
+        """The expert all-to-alls (dispatch and combine) inside an F, B or BW: exposed in its
+        duration unless an overlapped pair hides them (``pairing.hidden_seconds``)."""
+        if op.kind not in (OpKind.F, OpKind.B, OpKind.BW):
+            return 0.0
+        return self.expert_comm * self._slice_share()
 
     def vocab_activation(self, op: Op) -> float:
         return self.vocab_memory * self.microbatch_activation / self.num_slices

@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Collection
 from typing import Any
 
+from . import pairing
 from .ir import Op, OpKind, Schedule
 from .message_order import order_messages as in_one_order
 
@@ -43,17 +44,30 @@ def _comm_for(op: Op, schedule: Schedule, rank: int) -> tuple[list[Op], list[Op]
 
 
 def insert_p2p(schedule: Schedule) -> Schedule:
-    """Add SEND_F/RECV_F/SEND_B/RECV_B around every compute op that crosses ranks."""
+    """Add SEND_F/RECV_F/SEND_B/RECV_B around every compute op that crosses ranks. The two ops of
+    an overlapped pair (``pairing.py``) run as one unit: both ops' receives before the first, both
+    ops' sends after the second."""
     if schedule.is_lowered:
         return schedule
     ranks: list[list[Op]] = []
-    for rank, ops in enumerate(schedule.ranks):
+    for rank, (ops, firsts) in enumerate(zip(schedule.ranks, pairing.first_ops(schedule))):
+        seconds = set(firsts.values())
         lowered: list[Op] = []
+        held: list[Op] = []  # the first op's sends, until its partner has run
         for op in ops:
             before, after = _comm_for(op, schedule, rank)
-            lowered.extend(before)
+            key = pairing.key_of(op)
+            if key in firsts:
+                partner_before, _ = _comm_for(pairing.op_of(firsts[key]), schedule, rank)
+                lowered.extend(before + partner_before)
+                lowered.append(op)
+                held = after
+                continue
+            if key not in seconds:
+                lowered.extend(before)
             lowered.append(op)
-            lowered.extend(after)
+            lowered.extend(held + after)
+            held = []
         ranks.append(lowered)
     return schedule.with_ranks(ranks)
 

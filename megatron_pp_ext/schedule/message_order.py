@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from . import pairing
 from .costs import UniformCosts
 from .ir import COLLECTIVE_KINDS, Op, OpKind, Schedule
 from .replay import input_key, message_key, replay
@@ -95,6 +96,7 @@ def order_messages(
         fixed_keys.append(keys)
 
     layout = Layout.of(schedule)
+    partners = pairing.first_ops(schedule)  # an overlapped pair's first op waits for both inputs
     ranks: list[list[Op]] = []
     for rank, ops in enumerate(schedule.ranks):
         movable: list[tuple[Key, Op]] = []
@@ -107,12 +109,17 @@ def order_messages(
                 channel_index[(rank, channel)] = index + 1
                 movable.append(((completion[(rank, op)], COLLECTIVE, channel, index), op))
         movable.sort(key=lambda item: item[0])
-        ranks.append(_merge(ops, fixed_keys[rank], movable, layout, rank))
+        ranks.append(_merge(ops, fixed_keys[rank], movable, layout, rank, partners[rank]))
     return schedule.with_ranks(ranks)
 
 
 def _merge(
-    ops: list[Op], keys: list[Key | None], movable: list[tuple[Key, Op]], layout: Layout, rank: int
+    ops: list[Op],
+    keys: list[Key | None],
+    movable: list[tuple[Key, Op]],
+    layout: Layout,
+    rank: int,
+    partners: Mapping[Any, Any] | None = None,
 ) -> list[Op]:
     """One rank's ops with its movable ops (sorted by key) put back: each as late as the order
     allows (a receive right before the send or attention exchange that must follow it, or its
@@ -133,7 +140,11 @@ def _merge(
                 if talks or movable[index][1].kind in COLLECTIVE_KINDS:
                     upto = index
                 index += 1
-        for needed in _consumes(op, layout, rank):
+        needs = _consumes(op, layout, rank)
+        partner = (partners or {}).get(pairing.key_of(op)) if op.is_compute else None
+        if partner is not None:  # the pair's first op: its partner's input is posted before it too
+            needs += _consumes(pairing.op_of(partner), layout, rank)
+        for needed in needs:
             upto = max(upto, where.get(needed, -1))
         ordered.extend(item for _, item in movable[taken : upto + 1])
         taken = max(taken, upto + 1)

@@ -44,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import pairing
 from .completion import COMPLETIONS, FREE, IN_ORDER_SYNC, Completed, InOrderQueues
 from .costs import CostModel, UniformCosts
 from .ir import BACKWARD_KINDS, Op, OpKind, Schedule, format_op
@@ -294,6 +295,9 @@ def replay(
         else None
     )
     host = [0.0] * lowered.pp  # where each rank's host is: it waits only for messages and holds
+    # overlapped pairs (pairing.py): first op -> its partner, and second op -> the first
+    pair_firsts = pairing.first_ops(lowered)
+    pair_seconds = [{second: first for first, second in firsts.items()} for firsts in pair_firsts]
 
     def completed(finished: list[Completed]) -> None:
         """Messages and collectives the launch queues completed: their consumers may start."""
@@ -308,6 +312,11 @@ def replay(
         """The posted message a compute op consumes (its input, or its output gradient)."""
         key = input_key(op)
         return key if key in posted[rank] else None
+
+    def partner_inbound(rank: int, op: Op) -> tuple[str, int, int, int] | None:
+        """The message the second op of the pair ``op`` starts needs: the pair waits for it."""
+        partner = pair_firsts[rank].get(pairing.key_of(op)) if op.is_compute else None
+        return None if partner is None else inbound(rank, pairing.op_of(partner))
 
     def collective_ready(rank: int, op: Op) -> float | None:
         """When the collective ``op`` waits for has completed (0.0: it waits for none; None: not yet)."""
@@ -358,10 +367,19 @@ def replay(
         if message is not None:
             if message not in arrival:
                 return False
+        partner_message = partner_inbound(rank, op)
+        if partner_message is not None:
+            if partner_message not in arrival:
+                return False
+            ready = max(ready, arrival[partner_message])
+        if message is not None:
             posted[rank].discard(message)
             ready = max(ready, arrival[message])
             host[rank] = max(host[rank], arrival[message])  # the host waits for the message
         duration = costs.duration(op)
+        first = pair_seconds[rank].get(pairing.key_of(op)) if op.is_compute else None
+        if first is not None:  # the pair's all-to-alls hidden behind each other's compute
+            duration -= pairing.hidden_seconds(pairing.op_of(first), op, costs)
         start = max(now, ready)
         if op.kind in BACKWARD_KINDS:
             start = max(start, reloaded.pop(op.unit, 0.0))
@@ -392,6 +410,9 @@ def replay(
 
     def wait_key(rank: int, op: Op) -> tuple:
         message = inbound(rank, op)
+        if message is not None and message not in arrival:
+            return message
+        message = partner_inbound(rank, op)
         if message is not None and message not in arrival:
             return message
         needed = layout.waits_for(op, rank)

@@ -1,0 +1,211 @@
+"""Overlapped pairs: the forward of one microbatch and the backward of another run as one unit.
+
+DualPipe exists for mixture-of-experts training: each F&B pair of two microbatches runs as one
+unit so that the expert all-to-all (dispatch and combine) of one hides behind the attention and
+expert GEMMs of the other. A pair is two compute ops adjacent on a rank, an F and a B (or BW) of
+different units, neither feeding the other; :func:`pair` marks every such pair of a schedule
+(left to right, each op in at most one pair) in ``meta["pairs"]``, so any generator's schedule
+can pair: DualPipeV's steady state, the V-shapes, zero bubble and 1F1B where an F and a B meet.
+
+What pairing changes:
+
+- lowering (``lowering.insert_p2p``): the pair's receives are posted before its first op and its
+  sends go after its second, so the two run back to back as one unit (the validator's execution
+  check then shows the step cannot deadlock with the pair's order);
+- time (``replay``): the first op of a pair also waits for its partner's input; the pair's
+  computes run serialised, each op's all-to-all hidden behind the other's compute
+  (``hidden_seconds``), the rest exposed;
+- memory: the two ops' own, in their order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from .ir import Op, OpKind, Schedule
+
+PairKey = tuple[str, int, int, int]  # (kind, stage, microbatch, slice) of one op
+BACKWARD = (OpKind.B, OpKind.BW)
+
+
+def key_of(op: Op) -> PairKey:
+    return (op.kind.value, *op.unit)
+
+
+def op_of(key: PairKey) -> Op:
+    return Op(OpKind(key[0]), *key[1:])
+
+
+def _pairable(first: Op, second: Op) -> bool:
+    """An F and a B (or BW) of different microbatches: neither needs the other (within one
+    microbatch every backward needs every forward, through the stages or the later slices)."""
+    kinds = {first.kind, second.kind}
+    return OpKind.F in kinds and bool(kinds & set(BACKWARD)) and first.microbatch != second.microbatch
+
+
+def pair(schedule: Schedule, costs: Any = None) -> Schedule:
+    """``schedule`` with ``meta["pairs"]``: per rank, the [first, second] op keys of each pair:
+    two compute ops with no other compute op (a W, a vocabulary pass) between them, taken left to
+    right where the pair cannot deadlock the step (:class:`_Dependencies`) and does not make it
+    longer at ``costs`` (default: unit costs). A pair waits for both its inputs and sends after
+    both ops: next to each other in 1F1B's steady state, the forward of one microbatch and the
+    backward of another wait on each other's neighbours, which DualPipeV's two directions avoid."""
+    from .costs import UniformCosts
+    from .lowering import lower
+    from .replay import replay
+    from .validate import ScheduleError
+
+    if schedule.vocab_parallel != "none":
+        raise ValueError(
+            "overlapped pairs with vocabulary passes: their collectives are not in the pair's order"
+        )
+    if costs is None:
+        costs = UniformCosts(
+            num_stages=schedule.num_stages, num_slices=schedule.slices, chunks_per_rank=schedule.vpp
+        )
+
+    def makespan(pairs: list[list[list[PairKey]]]) -> float:
+        try:
+            return replay(lower(schedule.with_ranks(list(schedule.ranks), pairs=pairs)), costs).makespan
+        except ScheduleError:
+            return math.inf
+
+    graph = _Dependencies(schedule)
+    pairs: list[list[list[PairKey]]] = [[] for _ in schedule.ranks]
+    best = makespan(pairs)
+    for rank, ops in enumerate(schedule.ranks):
+        compute = [op for op in ops if op.is_compute]
+        position = 0
+        while position + 1 < len(compute):
+            first, second = compute[position], compute[position + 1]
+            added = graph.add_pair(rank, first, second) if _pairable(first, second) else None
+            if added is not None:
+                pairs[rank].append([key_of(first), key_of(second)])
+                span = makespan(pairs)
+                if span <= best + 1e-9 * max(1.0, best):
+                    best = span
+                    position += 2
+                    continue
+                pairs[rank].pop()
+                graph.remove(added)
+            position += 1
+    return schedule.with_ranks([list(ops) for ops in schedule.ranks], pairs=pairs)
+
+
+class _Dependencies:
+    """What waits for what in a step: each rank's compute ops in order, and each op's input from
+    the op that produces it (the previous stage's F, the next stage's B). A pair adds two kinds of
+    wait: its first op waits for its second op's input, and the consumers of the first op's output
+    wait for the second op (the pair sends after it). A pair is taken only if neither closes a
+    cycle: a cycle is a step that never finishes."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.rank_of: dict[PairKey, int] = {}
+        self.after: dict[PairKey, list[PairKey]] = {}
+        self.last_stage = schedule.num_stages - 1
+        for rank, ops in enumerate(schedule.ranks):
+            compute = [key_of(op) for op in ops if op.is_compute]
+            for key in compute:
+                self.rank_of[key] = rank
+                self.after.setdefault(key, [])
+            for earlier, later in zip(compute, compute[1:]):
+                self.after[earlier].append(later)
+        for key in list(self.after):
+            producer = self.producer(key)
+            if producer is not None:
+                self.after[producer].append(key)
+
+    def producer(self, key: PairKey) -> PairKey | None:
+        """The op whose output ``key`` takes in (None: none, or the model's input or loss)."""
+        kind, stage, microbatch, slice_index = key
+        if kind == OpKind.F.value:
+            return (kind, stage - 1, microbatch, slice_index) if stage > 0 else None
+        if kind in (OpKind.B.value, OpKind.BW.value) and stage < self.last_stage:
+            for backward in (OpKind.B.value, OpKind.BW.value):
+                if (backward, stage + 1, microbatch, slice_index) in self.rank_of:
+                    return (backward, stage + 1, microbatch, slice_index)
+        return None
+
+    def consumers(self, key: PairKey) -> list[PairKey]:
+        """The ops on other ranks that take ``key``'s output."""
+        rank = self.rank_of[key]
+        return [k for k in self.after[key] if self.rank_of[k] != rank and self.producer(k) == key]
+
+    def reaches(self, start: PairKey, goal: PairKey) -> bool:
+        seen, stack = {start}, [start]
+        while stack:
+            key = stack.pop()
+            if key == goal:
+                return True
+            for nxt in self.after[key]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return False
+
+    def add_pair(self, rank: int, first: Op, second: Op) -> list[tuple[PairKey, PairKey]] | None:
+        """Add the pair's waits and return them, or None (nothing added) if one closes a cycle."""
+        a, b = key_of(first), key_of(second)
+        edges = []
+        producer = self.producer(b)
+        if producer is not None and self.rank_of[producer] != rank:
+            edges.append((producer, a))
+        edges += [(b, consumer) for consumer in self.consumers(a)]
+        added: list[tuple[PairKey, PairKey]] = []
+        for source, target in edges:
+            if self.reaches(target, source):
+                self.remove(added)
+                return None
+            self.after[source].append(target)
+            added.append((source, target))
+        return added
+
+    def remove(self, edges: list[tuple[PairKey, PairKey]]) -> None:
+        for source, target in edges:
+            self.after[source].remove(target)
+
+
+def pairs_of(schedule: Schedule) -> list[dict[PairKey, PairKey]]:
+    """Per rank: each paired op's key -> its partner's key (empty without pairing)."""
+    out: list[dict[PairKey, PairKey]] = []
+    for found in schedule.meta.get("pairs") or [[] for _ in schedule.ranks]:
+        partners: dict[PairKey, PairKey] = {}
+        for first, second in found:
+            first, second = tuple(first), tuple(second)
+            partners[first], partners[second] = second, first
+        out.append(partners)
+    return out
+
+
+def first_ops(schedule: Schedule) -> list[dict[PairKey, PairKey]]:
+    """Per rank: the first op of each pair -> the second."""
+    return [
+        {tuple(first): tuple(second) for first, second in found}
+        for found in (schedule.meta.get("pairs") or [[] for _ in schedule.ranks])
+    ]
+
+
+def count(schedule: Schedule) -> int:
+    return sum(len(found) for found in schedule.meta.get("pairs") or [])
+
+
+def hidden_seconds(first: Op, second: Op, costs: Any) -> float:
+    """The all-to-all time a pair hides: each op's all-to-all behind the other's compute."""
+    comm_first, comm_second = expert_comm(costs, first), expert_comm(costs, second)
+    compute_first = costs.duration(first) - comm_first
+    compute_second = costs.duration(second) - comm_second
+    return min(comm_first, compute_second) + min(comm_second, compute_first)
+
+
+def expert_comm(costs: Any, op: Op) -> float:
+    """Seconds of ``op``'s expert all-to-all (0 for cost models that have none)."""
+    of = getattr(costs, "expert_comm_time", None)
+    return of(op) if of is not None else 0.0
+
+
+def iter_pairs(schedule: Schedule) -> Iterator[tuple[int, PairKey, PairKey]]:
+    for rank, found in enumerate(schedule.meta.get("pairs") or []):
+        for first, second in found:
+            yield rank, tuple(first), tuple(second)
