@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.schedule import pairing
+from megatron_pp_ext.schedule import pairing, pairs
 from megatron_pp_ext.schedule.costs import UniformCosts
 from megatron_pp_ext.schedule.generators import SCHEDULES, generate
 from megatron_pp_ext.schedule.ir import OpKind
@@ -40,13 +40,13 @@ def _costs(schedule, expert_comm: float) -> UniformCosts:
 @pytest.mark.parametrize("name", PAIRING)
 def test_pairs_are_adjacent_forward_and_backward_of_other_microbatches(name: str, pp: int) -> None:
     schedule = pairing.pair(_schedule(name, pp, 2 * pp + 1))
-    for rank, first, second in pairing.iter_pairs(schedule):
+    for rank, first, second in pairs.iter_pairs(schedule):
         kinds = {first[0], second[0]}
         assert OpKind.F.value in kinds and kinds & {OpKind.B.value, OpKind.BW.value}, (rank, first, second)
         assert first[2] != second[2], (rank, first, second)  # microbatches
-        compute = [pairing.key_of(op) for op in schedule.ranks[rank] if op.is_compute]
+        compute = [pairs.key_of(op) for op in schedule.ranks[rank] if op.is_compute]
         assert compute.index(second) == compute.index(first) + 1, (rank, first, second)
-    keys = [k for _, first, second in pairing.iter_pairs(schedule) for k in ((_, first), (_, second))]
+    keys = [k for rank, first, second in pairs.iter_pairs(schedule) for k in ((rank, first), (rank, second))]
     assert len(keys) == len(set(keys)), "an op in two pairs"
 
 
@@ -73,9 +73,9 @@ def test_a_paired_schedule_lowers_to_a_valid_one_with_receives_before_and_sends_
     lowered = lower(schedule)
     validate(lowered)  # the execution check replays the order: no deadlock
     assert check_nccl(lowered, strict=True, warmed=True) is None  # nor under NCCL's in-order rule
-    for rank, first, second in pairing.iter_pairs(lowered):
+    for rank, first, second in pairs.iter_pairs(lowered):
         ops = lowered.ranks[rank]
-        keys = [pairing.key_of(op) for op in ops]
+        keys = [pairs.key_of(op) for op in ops]
         start, end = keys.index(first), keys.index(second)
         assert all(not op.is_compute for op in ops[start + 1 : end]), (rank, ops[start : end + 1])
         between = ops[start + 1 : end]
@@ -96,7 +96,7 @@ def test_pairing_hides_each_paired_op_s_all_to_all_behind_its_partner(name: str)
     per_op = costs.expert_comm_time(plain.ranks[0][0])
     assert per_op == pytest.approx(comm)
     saved = sum(unpaired.busy_per_rank) - sum(overlapped.busy_per_rank)
-    assert saved == pytest.approx(2 * per_op * pairing.count(paired))
+    assert saved == pytest.approx(2 * per_op * pairs.count(paired))
     assert overlapped.makespan <= unpaired.makespan + 1e-9
     if name == "dualpipev":
         assert overlapped.makespan < unpaired.makespan

@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Collection
 from typing import Any
 
-from . import pairing
+from . import pairs
 from .ir import Op, OpKind, Schedule
 from .message_order import order_messages as in_one_order
 
@@ -50,15 +50,15 @@ def insert_p2p(schedule: Schedule) -> Schedule:
     if schedule.is_lowered:
         return schedule
     ranks: list[list[Op]] = []
-    for rank, (ops, firsts) in enumerate(zip(schedule.ranks, pairing.first_ops(schedule))):
+    for rank, (ops, firsts) in enumerate(zip(schedule.ranks, pairs.first_ops(schedule))):
         seconds = set(firsts.values())
         lowered: list[Op] = []
         held: list[Op] = []  # the first op's sends, until its partner has run
         for op in ops:
             before, after = _comm_for(op, schedule, rank)
-            key = pairing.key_of(op)
+            key = pairs.key_of(op)
             if key in firsts:
-                partner_before, _ = _comm_for(pairing.op_of(firsts[key]), schedule, rank)
+                partner_before, _ = _comm_for(pairs.op_of(firsts[key]), schedule, rank)
                 lowered.extend(before + partner_before)
                 lowered.append(op)
                 held = after

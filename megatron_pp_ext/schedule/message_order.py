@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import pairing
+from . import pairs
 from .costs import UniformCosts
 from .ir import COLLECTIVE_KINDS, Op, OpKind, Schedule
 from .replay import input_key, message_key, replay
@@ -96,7 +96,7 @@ def order_messages(
         fixed_keys.append(keys)
 
     layout = Layout.of(schedule)
-    partners = pairing.first_ops(schedule)  # an overlapped pair's first op waits for both inputs
+    partners = pairs.first_ops(schedule)  # an overlapped pair's first op waits for both inputs
     ranks: list[list[Op]] = []
     for rank, ops in enumerate(schedule.ranks):
         movable: list[tuple[Key, Op]] = []
@@ -141,9 +141,9 @@ def _merge(
                     upto = index
                 index += 1
         needs = _consumes(op, layout, rank)
-        partner = (partners or {}).get(pairing.key_of(op)) if op.is_compute else None
+        partner = (partners or {}).get(pairs.key_of(op)) if op.is_compute else None
         if partner is not None:  # the pair's first op: its partner's input is posted before it too
-            needs += _consumes(pairing.op_of(partner), layout, rank)
+            needs += _consumes(pairs.op_of(partner), layout, rank)
         for needed in needs:
             upto = max(upto, where.get(needed, -1))
         ordered.extend(item for _, item in movable[taken : upto + 1])

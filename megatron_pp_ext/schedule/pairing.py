@@ -21,21 +21,16 @@ What pairing changes:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
+from .costs import UniformCosts
 from .ir import Op, OpKind, Schedule
+from .lowering import lower
+from .pairs import PairKey, key_of
+from .replay import replay
+from .validate import ScheduleError
 
-PairKey = tuple[str, int, int, int]  # (kind, stage, microbatch, slice) of one op
 BACKWARD = (OpKind.B, OpKind.BW)
-
-
-def key_of(op: Op) -> PairKey:
-    return (op.kind.value, *op.unit)
-
-
-def op_of(key: PairKey) -> Op:
-    return Op(OpKind(key[0]), *key[1:])
 
 
 def _pairable(first: Op, second: Op) -> bool:
@@ -52,11 +47,6 @@ def pair(schedule: Schedule, costs: Any = None) -> Schedule:
     longer at ``costs`` (default: unit costs). A pair waits for both its inputs and sends after
     both ops: next to each other in 1F1B's steady state, the forward of one microbatch and the
     backward of another wait on each other's neighbours, which DualPipeV's two directions avoid."""
-    from .costs import UniformCosts
-    from .lowering import lower
-    from .replay import replay
-    from .validate import ScheduleError
-
     if schedule.vocab_parallel != "none":
         raise ValueError(
             "overlapped pairs with vocabulary passes: their collectives are not in the pair's order"
@@ -165,47 +155,3 @@ class _Dependencies:
     def remove(self, edges: list[tuple[PairKey, PairKey]]) -> None:
         for source, target in edges:
             self.after[source].remove(target)
-
-
-def pairs_of(schedule: Schedule) -> list[dict[PairKey, PairKey]]:
-    """Per rank: each paired op's key -> its partner's key (empty without pairing)."""
-    out: list[dict[PairKey, PairKey]] = []
-    for found in schedule.meta.get("pairs") or [[] for _ in schedule.ranks]:
-        partners: dict[PairKey, PairKey] = {}
-        for first, second in found:
-            first, second = tuple(first), tuple(second)
-            partners[first], partners[second] = second, first
-        out.append(partners)
-    return out
-
-
-def first_ops(schedule: Schedule) -> list[dict[PairKey, PairKey]]:
-    """Per rank: the first op of each pair -> the second."""
-    return [
-        {tuple(first): tuple(second) for first, second in found}
-        for found in (schedule.meta.get("pairs") or [[] for _ in schedule.ranks])
-    ]
-
-
-def count(schedule: Schedule) -> int:
-    return sum(len(found) for found in schedule.meta.get("pairs") or [])
-
-
-def hidden_seconds(first: Op, second: Op, costs: Any) -> float:
-    """The all-to-all time a pair hides: each op's all-to-all behind the other's compute."""
-    comm_first, comm_second = expert_comm(costs, first), expert_comm(costs, second)
-    compute_first = costs.duration(first) - comm_first
-    compute_second = costs.duration(second) - comm_second
-    return min(comm_first, compute_second) + min(comm_second, compute_first)
-
-
-def expert_comm(costs: Any, op: Op) -> float:
-    """Seconds of ``op``'s expert all-to-all (0 for cost models that have none)."""
-    of = getattr(costs, "expert_comm_time", None)
-    return of(op) if of is not None else 0.0
-
-
-def iter_pairs(schedule: Schedule) -> Iterator[tuple[int, PairKey, PairKey]]:
-    for rank, found in enumerate(schedule.meta.get("pairs") or []):
-        for first, second in found:
-            yield rank, tuple(first), tuple(second)

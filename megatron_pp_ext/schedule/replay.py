@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import pairing
+from . import pairs
 from .completion import COMPLETIONS, FREE, IN_ORDER_SYNC, Completed, InOrderQueues
 from .costs import CostModel, UniformCosts
 from .ir import BACKWARD_KINDS, Op, OpKind, Schedule, format_op
@@ -296,7 +296,7 @@ def replay(
     )
     host = [0.0] * lowered.pp  # where each rank's host is: it waits only for messages and holds
     # overlapped pairs (pairing.py): first op -> its partner, and second op -> the first
-    pair_firsts = pairing.first_ops(lowered)
+    pair_firsts = pairs.first_ops(lowered)
     pair_seconds = [{second: first for first, second in firsts.items()} for firsts in pair_firsts]
 
     def completed(finished: list[Completed]) -> None:
@@ -315,8 +315,8 @@ def replay(
 
     def partner_inbound(rank: int, op: Op) -> tuple[str, int, int, int] | None:
         """The message the second op of the pair ``op`` starts needs: the pair waits for it."""
-        partner = pair_firsts[rank].get(pairing.key_of(op)) if op.is_compute else None
-        return None if partner is None else inbound(rank, pairing.op_of(partner))
+        partner = pair_firsts[rank].get(pairs.key_of(op)) if op.is_compute else None
+        return None if partner is None else inbound(rank, pairs.op_of(partner))
 
     def collective_ready(rank: int, op: Op) -> float | None:
         """When the collective ``op`` waits for has completed (0.0: it waits for none; None: not yet)."""
@@ -377,9 +377,9 @@ def replay(
             ready = max(ready, arrival[message])
             host[rank] = max(host[rank], arrival[message])  # the host waits for the message
         duration = costs.duration(op)
-        first = pair_seconds[rank].get(pairing.key_of(op)) if op.is_compute else None
+        first = pair_seconds[rank].get(pairs.key_of(op)) if op.is_compute else None
         if first is not None:  # the pair's all-to-alls hidden behind each other's compute
-            duration -= pairing.hidden_seconds(pairing.op_of(first), op, costs)
+            duration -= pairs.hidden_seconds(pairs.op_of(first), op, costs)
         start = max(now, ready)
         if op.kind in BACKWARD_KINDS:
             start = max(start, reloaded.pop(op.unit, 0.0))
