@@ -114,21 +114,7 @@ def moe_worker(rank: int, world: int, microbatches: int) -> dict:
             result = runtime.step(schedule, forward_step, [iter(batches) for _ in chunks])
         finally:
             stage.set_auxiliary_loss_scales = setter
-        params = [p for c in chunks for p in c.parameters()]
-        entry: dict = {
-            "microbatches": m,
-            "missing": [names_of[id(p)] for p in params if p.grad is None],
-            "grad_errors": {
-                names_of[id(p)]: rel_error(p.grad, ref_grads[names_of[id(p)]])
-                for p in params
-                if p.grad is not None
-            },
-            "is_loss_rank": result.is_loss_rank,
-        }
-        if result.is_loss_rank:
-            losses = loss_values(result.losses)
-            entry["loss_error"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        report[label] = entry
+        report[label] = _compared(chunks, names_of, result, ref_grads, ref_losses, m)
     sliced = [(f"{name}/k{k}", name, k) for name, k in SLICED[world]]
     for label, name, slices in [*sliced, (PER_SLICE, "seq1f1b", 2)]:
         report[label] = _sliced_run(
@@ -164,9 +150,14 @@ def _sliced_run(model_cfg, world, microbatches, references, comm, rank, name, sl
     runtime = PipelineRuntime(chunks, comm, (model_cfg.seq_length, 2, model_cfg.hidden_size), torch.float32)
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
     result = runtime.step(schedule, forward_step, [iter(batches) for _ in chunks])
+    return _compared(chunks, names_of, result, ref_grads, ref_losses, m)
+
+
+def _compared(chunks, names_of, result, ref_grads, ref_losses, microbatches: int) -> dict:
+    """A step's gradients (by name) and losses against the reference's."""
     params = [p for c in chunks for p in c.parameters()]
     entry: dict = {
-        "microbatches": m,
+        "microbatches": microbatches,
         "missing": [names_of[id(p)] for p in params if p.grad is None],
         "grad_errors": {
             names_of[id(p)]: rel_error(p.grad, ref_grads[names_of[id(p)]])
