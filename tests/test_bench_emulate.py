@@ -146,7 +146,7 @@ def sweep() -> dict:
         emulate_skew="1,1,1.25",
         pp=3,
         microbatches=4,
-        iterations=4,
+        iterations=8,  # the fastest of 8 timed steps: one the other xdist worker disturbed least
         warmup=1,
         timeout=60.0,
         pp_emulate_nccl=False,
@@ -181,7 +181,7 @@ def test_fidelity_sweep_within_a_bound_that_wrong_predictions_miss(sweep: dict) 
     for row in sweep["rows"]:
         name = row["schedule"]
         assert row["skip"] is None, row
-        assert len(row["steps_s"]) == 4 and row["min_s"] <= row["measured_s"] <= row["max_s"]
+        assert len(row["steps_s"]) == 8 and row["min_s"] <= row["measured_s"] <= row["max_s"]
         measured = row["min_s"]
         error = measured / row["predicted_s"] - 1
         assert abs(error) < BOUND, name

@@ -17,10 +17,10 @@ stages what megatron-core sends:
   buffer that the request's ``wait()`` copies into Megatron's device tensor.
 
 Each gives that one module a view of ``torch`` (``cpu_shim.module_view``); nothing outside it
-sees a change. A host tensor, and any call over an NCCL group, passes straight through (:func:`on_device` and
-the group's backend decide), so under gloo on CPU the calls are gloo's own and our own code calls
-these functions wherever it talks over a group that may be gloo (the optimizer's norm and shard
-gather). Installed only where ranks run gloo on CUDA
+sees a change. A host tensor, and any call over an NCCL group, passes straight through
+(:func:`on_device` and the group's backend decide): under gloo on CPU the calls are gloo's own,
+and our own code calls these functions wherever it talks over a group that may be gloo (the
+optimizer's norm and shard gather). Installed only where ranks run gloo on CUDA
 (:func:`install_where_needed`); NCCL runs megatron-core unchanged.
 """
 

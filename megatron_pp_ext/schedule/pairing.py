@@ -3,9 +3,10 @@
 DualPipe exists for mixture-of-experts training: each F&B pair of two microbatches runs as one
 unit so that the expert all-to-all (dispatch and combine) of one hides behind the attention and
 expert GEMMs of the other. A pair is two compute ops adjacent on a rank, an F and a B (or BW) of
-different units, neither feeding the other; :func:`pair` marks every such pair of a schedule
-(left to right, each op in at most one pair) in ``meta["pairs"]``, so any generator's schedule
-can pair: DualPipeV's steady state, the V-shapes, zero bubble and 1F1B where an F and a B meet.
+different microbatches, neither feeding the other; :func:`pair` marks such pairs of any
+generator's schedule in ``meta["pairs"]`` (left to right, each op in at most one pair), where the
+pair neither closes a cycle of waits nor makes the step longer: DualPipeV's two directions and
+interleaved 1F1B's chunks pair well, plain 1F1B barely (``docs/schedules.md``).
 
 What pairing changes:
 
