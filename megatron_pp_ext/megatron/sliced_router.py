@@ -112,7 +112,7 @@ class SlicedTopKRouter(TopKRouter):
             self.sequence_counts[microbatch] = SequenceCounts(len(self.slice_context.slicing(microbatch)))
         sequence = self.sequence_counts[microbatch]
         sequence.add(slice_index, counts)
-        total = total_tokens // slice_tokens * sequence_tokens  # T of the sequence (all TP/CP ranks)
+        total = total_tokens * sequence_tokens // slice_tokens  # T of the sequence (all TP/CP ranks)
         factor = self.config.num_moe_experts * coeff / (self.topk * total * total)
         aux_loss = SequenceLoadBalancingLoss.apply(scores_for_aux_loss, sequence, factor)
         return self.attach_and_log_load_balancing_loss(
@@ -121,7 +121,7 @@ class SlicedTopKRouter(TopKRouter):
             aux_loss,
             "load_balancing_loss",
             self.tp_cp_group,
-            valid_token_count=local_tokens // slice_tokens * sequence_tokens,
+            valid_token_count=local_tokens * sequence_tokens // slice_tokens,  # this rank's share
         )
 
     def apply_z_loss(self, logits: Tensor, padding_mask: Tensor | None = None) -> Tensor:
