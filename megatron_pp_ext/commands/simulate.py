@@ -24,6 +24,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from ..schedule import pairs
 from ..schedule.completion import FREE, add_completion_argument
 from ..schedule.costs import CostModel, UniformCosts
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
@@ -715,7 +716,7 @@ def _row(
         row["act GiB (max)"] = f"{max(data['peak_memory_bytes']) / 2**30:.2f}"
         row["total GiB (max)"] = f"{max(p.total for p in memory) / 2**30:.2f}"
     if "makespan_unpaired" in result.schedule.meta:
-        row["pairs"] = sum(len(found) for found in result.schedule.meta.get("pairs") or [])
+        row["pairs"] = pairs.count(result.schedule)
         row["unpaired: makespan"] = f"{result.schedule.meta['makespan_unpaired']:.4g}"
     if result.baseline is not None:
         row["no offload: peak M (max)"] = f"{max(result.baseline.peak_memory_m):.3f}"

@@ -20,18 +20,6 @@ def op_of(key: PairKey) -> Op:
     return Op(OpKind(key[0]), *key[1:])
 
 
-def pairs_of(schedule: Schedule) -> list[dict[PairKey, PairKey]]:
-    """Per rank: each paired op's key -> its partner's key (empty without pairing)."""
-    out: list[dict[PairKey, PairKey]] = []
-    for found in schedule.meta.get("pairs") or [[] for _ in schedule.ranks]:
-        partners: dict[PairKey, PairKey] = {}
-        for first, second in found:
-            first, second = tuple(first), tuple(second)
-            partners[first], partners[second] = second, first
-        out.append(partners)
-    return out
-
-
 def first_ops(schedule: Schedule) -> list[dict[PairKey, PairKey]]:
     """Per rank: the first op of each pair -> the second."""
     return [

@@ -190,14 +190,12 @@ def _check_experts(settings: TrainSettings, model: Any) -> None:
             "not with experts split over other ranks than the dense weights (EP > 1 or another expert "
             "TP): its partial gradient norm follows the pipeline ranks only; drop it",
         )
-    try:
-        from ..megatron.model import moe_pattern
+    from ..megatron.model import experts_refusal_here, moe_pattern
 
+    try:
         moe_pattern(model)
     except ValueError as error:
         raise UsageError("--moe-layer-freq", str(error)) from None
-    from ..megatron.model import experts_refusal_here
-
     refusal = experts_refusal_here(
         extra.get("moe_token_dispatcher_type", "allgather"), bool(extra.get("moe_grouped_gemm"))
     )
