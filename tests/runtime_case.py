@@ -59,10 +59,19 @@ def loss_func_legacy(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[tor
 
 
 def forward_step(
-    data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module, legacy: bool = False
+    data_iterator: Iterator[dict[str, torch.Tensor]],
+    model: torch.nn.Module,
+    legacy: bool = False,
+    return_schedule_plan: bool = False,
 ):
+    """Megatron-LM's ``forward_step`` in small: the model's output (or, for overlapped pairs,
+    its schedule plan, as pretrain_gpt.py builds it) and the loss function."""
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    inputs = (batch["tokens"], batch["position_ids"], None)
+    if return_schedule_plan:
+        output = model.build_schedule_plan(*inputs, labels=batch["labels"])
+    else:
+        output = model(*inputs, labels=batch["labels"])
     return output, functools.partial(loss_func_legacy if legacy else loss_func, batch["loss_mask"])
 
 

@@ -113,6 +113,51 @@ def test_other_schedule_families_with_experts_over_two_ranks_train_as_over_one(
         check(_relative(two["grad_norm"], one["grad_norm"]), limit, f"grad norm of {at}")
 
 
+@pytest.mark.parametrize("schedule", ["dualpipev"])
+def test_overlapped_pairs_train_as_experts_over_one_rank(runs, schedule: str, tmp_path: Path) -> None:
+    """``--overlap-moe-expert-parallel-comm``: DualPipeV's F&B pairs run as units through
+    megatron-core's schedule plan, the all-to-alls on a thread of their own, under NCCL's rules;
+    the losses and gradient norms are ZB-H1's at EP 1 (tests/test_expert_overlap.py compares every
+    gradient, paired against unpaired)."""
+    metrics = tmp_path / "metrics.jsonl"
+    flags = ["--expert-model-parallel-size", "2", *ALLTOALL, "--pp-schedule", schedule, "--pp-emulate-nccl"]
+    flags.append("--overlap-moe-expert-parallel-comm")
+    done = run_cli(["train", *COMMON, *flags, "--metrics", str(metrics)], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("overlapped pairs") == 4, done.stdout[-2000:]  # every rank ran pairs
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for one, two in zip(runs["ep1"], rows, strict=True):
+        limit, at = _tolerance(one["iteration"]), f"paired {schedule}, iteration {one['iteration']}"
+        check(_relative(two["loss"], one["loss"]), limit, f"loss of {at}")
+        check(_relative(two["grad_norm"], one["grad_norm"]), limit, f"grad norm of {at}")
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--expert-model-parallel-size", "2"], "--moe-token-dispatcher-type alltoall"),
+        (["--expert-model-parallel-size", "1", *ALLTOALL], "--expert-model-parallel-size 2"),
+        (
+            [
+                "--expert-model-parallel-size",
+                "2",
+                *ALLTOALL,
+                "--pp-schedule",
+                "seq1f1b",
+                "--pp-seq-slices",
+                "2",
+            ],
+            "slices",
+        ),
+    ],
+)
+def test_overlapped_pairs_refuse_what_they_cannot_run_before_processes_start(flags: list, named: str) -> None:
+    done = run_cli(["train", *COMMON, *flags, "--overlap-moe-expert-parallel-comm"], timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert "--overlap-moe-expert-parallel-comm" in error and named in error, error
+
+
 def test_a_checkpoint_resumes_bitwise_under_its_layout(runs) -> None:
     straight = {row["iteration"]: row for row in runs["ep2"]}
     resumed = runs["resumed"]

@@ -274,6 +274,13 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
     moe.add_argument("--moe-grouped-gemm", action="store_true", default=None, help="TE's grouped GEMM (GPU)")
     moe.add_argument("--expert-model-parallel-size", type=int, help="ranks the experts are split over (EP)")
     moe.add_argument("--expert-tensor-parallel-size", type=int, help="tensor-parallel ranks of an expert")
+    moe.add_argument(
+        "--overlap-moe-expert-parallel-comm",
+        action="store_true",
+        default=None,
+        help="overlapped F&B pairs: one microbatch's expert all-to-all runs beside another's compute "
+        "(DualPipe's point; EP > 1, alltoall dispatcher; docs/schedules.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,6 +35,16 @@ imports, yet every router's gating reads the name, so a mixture-of-experts forwa
 ``NameError``. :func:`bind_missing_te_general_gemm` binds it to None, the value that module
 itself tests for before it falls back to ``torch.mm``; our models call it when they have experts. (The
 router's move of its weights to ``torch.cuda.current_device()`` is the first place's.)
+
+A sixth, for overlapped pairs (``runtime/expert_overlap.py``), which run megatron-core's
+fine-grained schedule plan (combined 1F1B's per-layer nodes): its nodes take CUDA streams and
+events (``pipeline_parallel/utils.py``, ``models/common/model_chunk_schedule_plan.py``,
+``models/gpt/fine_grained_callables.py``), mark NVTX ranges, and call ``Tensor.record_stream``
+on their inputs and gradients. :func:`install_for_schedule_plans` gives those three modules a
+view of ``torch`` whose ``cuda`` has host streams and events (no-ops: host work is in order) and
+no-op NVTX ranges, and makes ``record_stream`` a no-op for host tensors (a CPU-only torch has no
+other kind, and there the call always raised). The overlap itself comes from our communication
+thread, not from these streams.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ import torch
 
 _installed = False
 _schedules_installed = False
+_plans_installed = False
 
 
 def cpu_device() -> torch.device:
@@ -77,6 +88,13 @@ class _HostStream:
         return self
 
     def synchronize(self) -> None:
+        return None
+
+    # what megatron-core's schedule-plan nodes ask of their CUDA event (stream_acquire_context)
+    def record(self, stream: object = None) -> None:
+        return None
+
+    def wait(self, stream: object = None) -> None:
         return None
 
 
@@ -120,6 +138,44 @@ def install_for_schedules() -> bool:
 
         schedules.torch = module_view(torch, zeros=_zeros_on_cpu)  # type: ignore[attr-defined]
         _schedules_installed = True
+    return True
+
+
+def install_for_schedule_plans() -> bool:
+    """:func:`install`, plus megatron-core's fine-grained schedule plan on the host (the sixth
+    place of the module docstring). Returns whether it is in effect."""
+    global _plans_installed
+    if not install():
+        return False
+    if not _plans_installed:
+        from megatron.core.models.common import model_chunk_schedule_plan
+        from megatron.core.models.gpt import fine_grained_callables
+        from megatron.core.pipeline_parallel import utils
+
+        nvtx = types.SimpleNamespace(
+            range_push=lambda *args, **kwargs: None,
+            range_pop=lambda *args, **kwargs: None,
+            range=lambda *args, **kwargs: contextlib.nullcontext(),
+        )
+        cuda = module_view(
+            torch.cuda,
+            Stream=lambda *args, **kwargs: _HOST_STREAM,
+            Event=lambda *args, **kwargs: _HOST_STREAM,
+            current_stream=lambda *args, **kwargs: _HOST_STREAM,
+            stream=lambda stream: contextlib.nullcontext(),
+            nvtx=nvtx,
+        )
+        view = module_view(torch, cuda=cuda)
+        for module in (utils, model_chunk_schedule_plan, fine_grained_callables):
+            module.torch = view  # type: ignore[attr-defined]
+        record_stream = torch.Tensor.record_stream
+
+        def host_record_stream(tensor: torch.Tensor, stream: object) -> None:
+            if tensor.device.type != "cpu":
+                record_stream(tensor, stream)
+
+        torch.Tensor.record_stream = host_record_stream  # type: ignore[method-assign]
+        _plans_installed = True
     return True
 
 

@@ -89,6 +89,9 @@ class PipelineOptions:
     vocab_parallel: str = "none"  # none, vocab-1 or vocab-2 (docs/vocab_parallel.md)
     calculate_per_token_loss: bool = False  # Megatron's flag: vocabulary parallelism with slices needs it
     emulate_nccl: bool = False  # NCCL's creation and launch-order rules on gloo (docs/nccl.md)
+    # Megatron's --overlap-moe-expert-parallel-comm, for our schedules: overlapped F&B pairs
+    # (schedule/pairing.py, runtime/expert_overlap.py)
+    overlap_moe_expert_parallel_comm: bool = False
     # count activation bytes per step (train reports them; pretrain_gpt.py does not pay for it)
     measure_memory: bool = True
 
@@ -112,6 +115,7 @@ class PipelineOptions:
             vocab_parallel=getattr(args, "pp_vocab_parallel", None) or "none",
             calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
             emulate_nccl=bool(getattr(args, "pp_emulate_nccl", False)),
+            overlap_moe_expert_parallel_comm=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
             measure_memory=False,  # Megatron-LM reports memory its own way
         )
 
@@ -142,6 +146,7 @@ class PipelineOptions:
             schedule.meta["partition"] = self.slice_partition
         self.check_redistribution(schedule, flags)
         costs = None if run is None else self.run_costs(schedule, run, flags)
+        schedule = self.with_pairs(schedule, costs)
         schedule = lower(self.with_vocab(schedule, costs), costs)
         if self.offload == "auto":
             self.offload_policy()  # checks the flags; k is known once the model runs
@@ -170,6 +175,24 @@ class PipelineOptions:
                 f"virtual stages; use a --num-layers of at least {schedule.num_stages})",
                 "--num-layers",
             ) from None
+
+    def with_pairs(self, schedule: Schedule, costs: Any = None) -> Schedule:
+        """``--overlap-moe-expert-parallel-comm``: the schedule's overlapped F&B pairs
+        (``schedule/pairing.py``), taken where they do not lengthen the step at ``costs``."""
+        if not self.overlap_moe_expert_parallel_comm:
+            return schedule
+        flag = "--overlap-moe-expert-parallel-comm"
+        for given, what in (
+            (schedule.slices > 1, f"sequence slices ({schedule.name} with {schedule.slices})"),
+            (self.vocab_parallel != "none", VOCAB_FLAG),
+            (self.offload != "none", "--pp-offload"),
+            (self.attn_redistribution, "--pp-attn-redistribution"),
+        ):
+            if given:
+                raise OptionError(f"overlapped pairs do not run with {what}: drop one of them", flag)
+        from ..schedule.pairing import pair
+
+        return pair(schedule, costs)
 
     def with_vocab(self, schedule: Schedule, costs: Any = None) -> Schedule:
         """``--pp-vocab-parallel``: the schedule with the vocabulary ops (before offload, which

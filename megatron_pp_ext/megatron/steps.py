@@ -11,12 +11,17 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 
-def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
-    """Megatron's forward_step_func contract, as in Megatron-LM's pretrain_gpt.py."""
+def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> tuple[Any, Any]:
+    """Megatron's forward_step_func contract, as in Megatron-LM's pretrain_gpt.py; with
+    ``return_schedule_plan`` (overlapped pairs) the model's schedule plan instead of its output."""
     batch = next(data_iterator)
     device = next(model.parameters()).device
     batch = on_this_cp_rank({key: value.to(device) for key, value in batch.items()}, model)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    inputs = (batch["tokens"], batch["position_ids"], None)
+    if return_schedule_plan:
+        output = model.build_schedule_plan(*inputs, labels=batch["labels"])
+    else:
+        output = model(*inputs, labels=batch["labels"])
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 

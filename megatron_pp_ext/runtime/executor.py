@@ -31,6 +31,11 @@ parallelism, gradient sync, offload, attention redistribution, slices, and the s
 messages and stages) are collaborators, not branches of the loop: each is a ``StepFeature``
 (``step_feature.py``: begin, before an op, after an op, finish, discard; the adapters are in
 ``features.py``), and ``_StepRun.features`` lists the ones the lowered schedule needs.
+
+Overlapped pairs (``schedule/pairing.py``, ``meta["pairs"]``): the lowered list has the two ops
+of a pair next to each other; the loop calls the features before both, runs them as one unit
+(``_StepRun._pair``: the B begun, the F's plan forward with the B's plan backward beside it,
+``expert_overlap.py``), then calls the features after both.
 """
 
 from __future__ import annotations
@@ -52,10 +57,12 @@ from ..schedule.lowering import lower
 from ..schedule.message_order import order_messages
 from ..schedule.models import megatron_shape
 from ..schedule.nccl_check import check_nccl
+from ..schedule.pairs import first_ops, key_of
 from ..schedule.validate import validate, weight_order_error
 from . import sized_messages
 from .context_parallel import check_cp_slices, context_parallel_group, cp_size_of
 from .creation import Communicator
+from .expert_overlap import CommLane, check_pairing
 from .experts import expert_groups
 from .features import (
     GateFeature,
@@ -73,7 +80,7 @@ from .offload import OffloadEngine, OffloadStats
 from .p2p import PipeComm, PostedRecv
 from .redistribution import AttentionCounts, Plan, Redistribution, StepRedistribution
 from .slicing import SliceFn, StepSlicing, check_sliced_moe, plan_slices
-from .stage import ForwardStepFunc, LossRecord, StageRunner, deallocate
+from .stage import ForwardStepFunc, LossRecord, PendingBackward, StageRunner, deallocate
 from .step_feature import OpFailure, PipelineError, StepFeature
 from .vocab_ops import FORWARD_KINDS as VOCAB_FORWARD_KINDS
 from .vocab_ops import VocabSetup, VocabStep
@@ -96,6 +103,7 @@ class StepResult:
     offload: OffloadStats | None = None  # what the activation copies did, when the schedule has any
     attention: AttentionCounts | None = None  # attention computed and moved (sliced schedules)
     restarted: bool = False  # post-validation rolled the previous step back: the ops ran twice
+    pairs: int = 0  # overlapped pairs run (each an F and a B as one unit)
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,7 @@ class _StepArgs:
     # microbatches in flight per stage of this rank (partial activation checkpoints; empty without)
     in_flight: dict[int, int] = field(default_factory=dict)
     variable_shapes: bool = False  # config.variable_seq_lengths: messages carry their shape
+    paired: bool = False  # overlapped pairs (schedule/pairing.py): run through the schedule plan
 
 
 class _Replay:
@@ -231,6 +240,17 @@ class PipelineRuntime:
         self._gates: dict[tuple[str, bool], ValidationGate] = {}  # post-validation gates, once each
         self._in_flight: dict[tuple, dict[int, int]] = {}  # partial activation checkpoints, once each
         self.redistribution = Redistribution(comm, attn_redistribution, self.chunks)
+        self._lane: CommLane | None = None  # overlapped pairs' all-to-alls, made at the first pair
+
+    def lane(self) -> CommLane:
+        """Where overlapped pairs run their communication nodes (a thread of its own on the host)."""
+        if self._lane is None:
+            if self.device.type != "cuda":
+                from ..megatron import cpu_shim
+
+                cpu_shim.install_for_schedule_plans()
+            self._lane = CommLane(on_host=self.device.type != "cuda")
+        return self._lane
 
     # ------------------------------------------------------------------------------------------
 
@@ -273,6 +293,9 @@ class PipelineRuntime:
         lengths = self._slice_lengths(schedule, tensor_shape, slice_lengths)
         if schedule.slices > 1:
             check_sliced_moe(self.config, schedule)
+        paired = bool(schedule.meta.get("pairs")) and not forward_only
+        if paired:
+            check_pairing(self.config, schedule, self.chunks, forward_step_func)
         # SlimPipe's plan for the schedule as run (collective the first time), and the message
         # order that places its attention exchanges
         as_run = forward_part(schedule) if forward_only else schedule
@@ -319,6 +342,7 @@ class PipelineRuntime:
             first_val_step,
             {} if partial is None else self._in_flight_limits(key, schedule),
             variable,
+            paired,
         )
         gate_at, in_flight = 0, []
         at_start = forward_only or gate_at_start(lowered, bool(self.redistribution.cap))
@@ -379,7 +403,7 @@ class PipelineRuntime:
         peers before a restart, are taken off their channels and dropped first."""
         lowered = step.lowered
         offload = self._begin_measuring(lowered)
-        runners = self._runners(lowered, offload, step.vocab_parallel)
+        runners = self._runners(lowered, offload, step.vocab_parallel, step.paired)
         slicing, iterators, shape_of = self._slicing(step, iterators)
         self._warm_up_once(lowered, step.vocab_parallel)
         redistribution = None
@@ -427,9 +451,11 @@ class PipelineRuntime:
         return GradSync(self.config, self.chunks, lowered.ranks[self.rank], chunk_of, step.forward_only, late)
 
     def _runners(
-        self, lowered: Schedule, offload: OffloadEngine | None, vocab_parallel: bool
+        self, lowered: Schedule, offload: OffloadEngine | None, vocab_parallel: bool, paired: bool
     ) -> dict[int, StageRunner]:
-        """A StageRunner per stage of this rank, for one attempt."""
+        """A StageRunner per stage of this rank, for one attempt (through megatron-core's
+        schedule plan when the step has overlapped pairs)."""
+        lane = self.lane() if paired else None
         deferring = {op.stage for op in lowered.ranks[self.rank] if op.kind in (OpKind.B, OpKind.W)}
         runners = {
             stage: StageRunner(
@@ -444,6 +470,7 @@ class PipelineRuntime:
                 offload=offload,
                 cp_group=self.cp_group,
                 vocab_parallel=vocab_parallel,
+                lane=lane,
             )
             for stage in lowered.placement.stages_of(self.rank)
         }
@@ -481,6 +508,7 @@ class PipelineRuntime:
             if self.device.type == "cuda"
             else None,
             op_count=run.op_count,
+            pairs=run.pairs,
             offload=None if offload is None else offload.stats,
             attention=attention,
         )
@@ -608,6 +636,7 @@ class _StepRun:
         self.inbox: dict[tuple[str, int, int, int], tuple[Tensor | PostedRecv, Hold]] = {}
         self.outbox: dict[tuple[str, int, int, int], tuple[Tensor, Hold]] = {}
         self.op_count: dict[str, int] = {}
+        self.pairs = 0  # overlapped pairs run
         self.vocab: VocabStep | None = None
         if step.vocab_parallel and runtime.vocab is not None:
             self.vocab = VocabStep(
@@ -655,17 +684,43 @@ class _StepRun:
         """Run the rank's ops in order, the features called around each (``step_feature.py``)."""
         for feature in features:
             feature.begin()
-        for position, op in enumerate(self.schedule.ranks[self.rt.rank]):
-            for feature in features:
-                feature.before(position, op)
-            self.op_count[op.kind.value] = self.op_count.get(op.kind.value, 0) + 1
-            with OpFailure(self.rt.rank, position, op):
-                self._dispatch(op)
-                for feature in reversed(features):
-                    feature.after(position, op)
+        ops = self.schedule.ranks[self.rt.rank]
+        starts = self._pair_starts() if self.step.paired else set()
+        position = 0
+        while position < len(ops):
+            group = list(enumerate(ops[position : position + (2 if position in starts else 1)], position))
+            for at, op in group:
+                for feature in features:
+                    feature.before(at, op)
+                self.op_count[op.kind.value] = self.op_count.get(op.kind.value, 0) + 1
+            with OpFailure(self.rt.rank, position, group[0][1]):
+                if len(group) == 2:
+                    self._pair(group[0][1], group[1][1])
+                else:
+                    self._dispatch(group[0][1])
+                for at, op in group:
+                    for feature in reversed(features):
+                        feature.after(at, op)
             self.rt.comm.reap()
+            position += len(group)
         for feature in features:
             feature.finish()
+
+    def _pair_starts(self) -> set[int]:
+        """Positions of this rank's ops that start an overlapped pair (the partner is next)."""
+        ops = self.schedule.ranks[self.rt.rank]
+        firsts = first_ops(self.schedule)[self.rt.rank]
+        starts = set()
+        for position, op in enumerate(ops):
+            second = firsts.get(key_of(op))
+            if second is None:
+                continue
+            if position + 1 >= len(ops) or key_of(ops[position + 1]) != second:
+                raise PipelineError(
+                    f"rank {self.rt.rank}: {op} is paired with {second}, which does not follow it"
+                )
+            starts.add(position)
+        return starts
 
     def leftovers(self) -> list[str]:
         """What the step left behind (nothing, after a step that ran every op)."""
@@ -801,7 +856,20 @@ class _StepRun:
         else:
             self.outbox[(direction, op.stage, op.microbatch, op.slice)] = item
 
-    def _forward(self, op: Op) -> None:
+    def _pair(self, first: Op, second: Op) -> None:
+        """An overlapped pair: the B begun, the F run with the B's backward beside it, the B's
+        input gradient handed on."""
+        forward, backward = (first, second) if first.kind == OpKind.F else (second, first)
+        runner = self.runners[backward.stage]
+        output_grad = None if runner.is_last else self._take("B", backward.stage, backward)
+        pending = runner.begin_backward(
+            (backward.microbatch, backward.slice), output_grad, split=backward.kind == OpKind.B
+        )
+        self._forward(forward, partner=pending)
+        self._hand_input_grad(backward, runner.end_backward(pending))
+        self.pairs += 1
+
+    def _forward(self, op: Op, partner: PendingBackward | None = None) -> None:
         runner = self.runners[op.stage]
         input_tensor = None if runner.is_first else self._take("F", op.stage, op)
         fed = self.vocab.embedding(op) if self.vocab is not None and runner.is_first else None
@@ -825,6 +893,7 @@ class _StepRun:
                 self.collect_non_loss_data,
                 fed_input=fed,
                 call=call,
+                partner=partner,
             )
         if output is None:
             return
@@ -844,6 +913,11 @@ class _StepRun:
             output_grad = self._take("B", op.stage, op)
         with timed(self.config, "backward-compute"):
             input_grad = runner.backward((op.microbatch, op.slice), output_grad, split)
+        self._hand_input_grad(op, input_grad)
+
+    def _hand_input_grad(self, op: Op, input_grad: Tensor | None) -> None:
+        """A backward's input gradient to the previous stage (or the vocabulary's embedding)."""
+        runner = self.runners[op.stage]
         if not runner.is_first:
             if input_grad is None:
                 raise PipelineError(f"rank {self.rt.rank}: {op} produced no input gradient")

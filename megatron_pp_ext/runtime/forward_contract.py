@@ -60,6 +60,9 @@ class ForwardCall:
     microbatch: int
     is_first_microbatch: bool = False
     checkpoint_activations_microbatch: bool | None = None
+    # overlapped pairs (expert_overlap.py): the call returns megatron-core's schedule plan, as
+    # its combined 1F1B asks for it
+    schedule_plan: bool = False
 
 
 @contextmanager
@@ -104,6 +107,9 @@ def call_forward_step(
     else:
         autocast = nullcontext()
     with autocast:
+        if call.schedule_plan:
+            model = get_attr_wrapped_model(chunk, "build_schedule_plan", return_model_obj=True)
+            return forward_step_func(data_iterator, model, return_schedule_plan=True)
         if call.checkpoint_activations_microbatch is None:
             return forward_step_func(data_iterator, chunk)
         return forward_step_func(data_iterator, chunk, call.checkpoint_activations_microbatch)

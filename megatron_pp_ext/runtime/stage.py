@@ -8,20 +8,24 @@ is normalised like Megatron's ``forward_step`` (by tokens unless ``calculate_per
 and by the number of microbatches). The runner keeps what each unit needs until its backward.
 With sequence slices the loss of each slice is normalised at its backward over the whole
 microbatch's tokens (see ``slicing.py``); under context parallelism over the tokens of all CP
-ranks (see ``context_parallel.py``).
+ranks (see ``context_parallel.py``). With overlapped pairs (a ``lane``) the chunk runs through
+megatron-core's schedule plan, and the F of a pair runs the B of its partner beside it
+(``expert_overlap.py``: :meth:`StageRunner.begin_backward`, the F with ``partner``,
+:meth:`StageRunner.end_backward`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .context_parallel import tokens_on_all_cp_ranks
+from .expert_overlap import CommLane, run_plans
 from .forward_contract import ForwardCall, call_forward_step, chunk_device, set_auxiliary_loss_scales
 from .memory import ActivationMeter, Hold
 from .offload import OffloadEngine, saving
@@ -76,6 +80,19 @@ class _Unit:
     output: Tensor
     holds: list[Hold]
     normalise: Callable[[Tensor], Tensor] | None = None  # a slice's loss, scaled at backward
+    plan: Any = None  # megatron-core's schedule plan of the unit (overlapped pairs)
+    plan_output: Tensor | None = None  # the last stage's: the plan's output, the loss's leaf
+
+
+@dataclass
+class PendingBackward:
+    """A B (or BW) of a pair, begun: its plan and the gradient it starts from, run beside its
+    partner's forward inside ``context`` (the weight-gradient store collecting for a B)."""
+
+    key: Key
+    unit: _Unit
+    grad: Tensor | None
+    context: AbstractContextManager[Any]
 
 
 class StageRunner:
@@ -93,12 +110,16 @@ class StageRunner:
         offload: OffloadEngine | None = None,
         cp_group: Any = None,
         vocab_parallel: bool = False,
+        lane: CommLane | None = None,
     ) -> None:
-        """``cp_group``: the context-parallel group (None: no CP), for the loss normalisation.
+        """``lane``: overlapped pairs are on (``expert_overlap.py``): every F and B of the chunk
+        runs through megatron-core's schedule plan, the all-to-alls on the lane.
+        ``cp_group``: the context-parallel group (None: no CP), for the loss normalisation.
         ``vocab_parallel``: the output layer and loss run as the schedule's vocabulary ops, so a
         last stage's output is its final hidden state, its backward takes the output gradient
         like a middle stage, and its ``loss_func`` is kept (``loss_funcs``) for the report."""
         self.chunk = chunk
+        self.lane = lane
         self.cp_group = cp_group
         self.cp_size = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
         self.offload = offload
@@ -135,18 +156,24 @@ class StageRunner:
         collect_non_loss_data: bool = False,
         fed_input: Tensor | None = None,
         call: ForwardCall | None = None,
+        partner: PendingBackward | None = None,
     ) -> Tensor | None:
         """Run the forward of ``key``; return the output to hand to the next stage (None on the
         last stage, unless the loss is vocabulary parallel). ``fed_input``: a leaf the chunk
         reads by other means (the vocabulary-parallel word embedding), kept as the unit's input
         so that its backward returns the leaf's gradient. ``call``: how Megatron would call
-        ``forward_step_func`` for it (``forward_contract.py``; default: the microbatch, not first)."""
+        ``forward_step_func`` for it (``forward_contract.py``; default: the microbatch, not first).
+        ``partner``: the begun backward of the pair this F belongs to, run beside it."""
         if fed_input is not None:
             input_tensor = fed_input
         elif input_tensor is not None and not forward_only:
             input_tensor = input_tensor.detach().requires_grad_(True)
         call = call or ForwardCall(key[0])
+        by_plan = self.lane is not None and not forward_only
+        if by_plan:
+            call = replace(call, schedule_plan=True)
         given = None if fed_input is not None else input_tensor
+        plan, plan_output = None, None
         if forward_only:
             with torch.no_grad():
                 output, loss_func = call_forward_step(
@@ -158,6 +185,10 @@ class StageRunner:
                 output, loss_func = call_forward_step(
                     forward_step_func, data_iterator, self.chunk, self.config, given, call
                 )
+                if by_plan:
+                    plan, output = output, self._run_plan(output, partner)
+        if by_plan and self.is_last:  # the loss gets a graph of its own, as megatron-core's loss node
+            output = plan_output = output.detach().requires_grad_(True)
         set_auxiliary_loss_scales(self.config, num_microbatches, self.cp_size, chunk_device(self.chunk))
         normalise = None
         if self.is_last and not self.computes_loss:
@@ -169,8 +200,16 @@ class StageRunner:
         elif self.is_last:
             output = self._loss(key[0], output, loss_func, num_microbatches, losses, collect_non_loss_data)
         if not forward_only:
-            self._units[key] = _Unit(input_tensor, output, [input_hold], normalise)
+            self._units[key] = _Unit(input_tensor, output, [input_hold], normalise, plan, plan_output)
         return None if self.computes_loss else output
+
+    def _run_plan(self, plan: Any, partner: PendingBackward | None) -> Tensor:
+        """The F's plan forward, with the partner's backward beside it."""
+        assert self.lane is not None
+        if partner is None:
+            return run_plans(plan, None, None, self.lane)
+        with partner.context:
+            return run_plans(plan, partner.unit.plan, partner.grad, self.lane)
 
     def _normalise(self, result: Any, num_microbatches: int) -> tuple[Any, Any, Any]:
         """Megatron's normalisation of ``loss_func``'s result: (loss, token count or None, report)."""
@@ -300,6 +339,12 @@ class StageRunner:
         """BW (``split=False``): classic backward, weight gradients accumulated now. B
         (``split=True``): only the input gradient now; weight gradients are deferred to W.
         Returns the gradient of the stage input (None on the first stage)."""
+        if self._units[key].plan is not None:
+            pending = self.begin_backward(key, output_grad, split)
+            assert self.lane is not None
+            with pending.context:
+                run_plans(None, pending.unit.plan, pending.grad, self.lane)
+            return self.end_backward(pending)
         unit = self._units.pop(key)
         output, grad = self._output_and_grad(unit, output_grad)
         if not output.requires_grad:
@@ -319,6 +364,23 @@ class StageRunner:
         for hold in unit.holds:
             hold.release()
         return input_grad
+
+    def begin_backward(self, key: Key, output_grad: Tensor | None, split: bool) -> PendingBackward:
+        """A backward through the unit's schedule plan, up to the plan: the gradient it starts
+        from (on the last stage: the loss's, at the plan's output) and the context it runs in."""
+        unit = self._units.pop(key)
+        output, grad = self._output_and_grad(unit, output_grad)
+        if unit.plan_output is not None:  # through the loss to the plan's output
+            (grad,) = run_backward(output, grad, [unit.plan_output])
+        context = self.store.collect(key) if split else nullcontext()
+        return PendingBackward(key, unit, grad, context)
+
+    def end_backward(self, pending: PendingBackward) -> Tensor | None:
+        """After the plan's backward ran: the input gradient; the unit's holds released."""
+        unit = pending.unit
+        for hold in unit.holds:
+            hold.release()
+        return None if unit.input is None else unit.input.grad
 
     def weight(self, key: Key) -> None:
         """W: apply the weight gradients that B of ``key`` deferred."""

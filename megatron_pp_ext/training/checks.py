@@ -146,11 +146,28 @@ def _check_parallel(settings: TrainSettings, model: Any) -> None:
         )
 
 
+def _check_pairing(settings: TrainSettings, extra: dict[str, Any]) -> None:
+    """``--overlap-moe-expert-parallel-comm``: what the pairs need of the model, before any
+    process starts (the runtime checks the same again on the built chunks)."""
+    from types import SimpleNamespace
+
+    from ..runtime.expert_overlap import FLAG, config_refusal
+
+    config = SimpleNamespace(
+        **extra, tensor_model_parallel_size=settings.tp, context_parallel_size=settings.cp
+    )
+    why = config_refusal(config, on_host=settings.distributed_backend != "nccl")
+    if why is not None:
+        raise UsageError(FLAG, why)
+
+
 def _check_experts(settings: TrainSettings, model: Any) -> None:
     """Mixture-of-experts settings megatron-core can build and this machine can run, each
     refused by its flag (its TransformerConfig field in a config's ``model: extra:``)."""
     extra = model.extra
     experts = extra.get("num_moe_experts")
+    if settings.pipeline.overlap_moe_expert_parallel_comm:
+        _check_pairing(settings, extra)
     if experts is None:
         flags = {key: "--" + name.replace("_", "-") for name, key in MOE_FLAGS.items()}
         given = [flags.get(key, key) for key in extra if key.startswith(("moe_", "expert_"))]

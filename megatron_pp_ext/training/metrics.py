@@ -143,6 +143,7 @@ class RankFigures:
     offloaded: int | None = None
     attention: tuple[int, int, int] | None = None
     communicators: tuple[int, float, bool] | None = None
+    pairs: int = 0  # overlapped F&B pairs in the last step (--overlap-moe-expert-parallel-comm)
 
     def measure(self, hook: Any, elapsed: float) -> None:
         result = hook.last_result
@@ -152,6 +153,7 @@ class RankFigures:
         self.offloaded = result.offload.offloaded_bytes if result.offload is not None else None
         if result.attention is not None:
             self.attention = result.attention.totals()
+        self.pairs = result.pairs
         creation = hook.last_creation
         self.communicators = (len(creation.created), creation.warm_up_seconds, creation.emulate)
 
@@ -170,6 +172,7 @@ def report_ranks(
         "offloaded_mib": None if figures.offloaded is None else figures.offloaded / 2**20,
         "attention": figures.attention,
         "communicators": figures.communicators,
+        "pairs": figures.pairs,
         "max_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20
         if device.type == "cuda"
         else None,
@@ -197,6 +200,8 @@ def report_ranks(
                 own, served, away = (n / 1e6 for n in item["attention"])
                 moved += f"  attention Mpairs computed {own + served:.3g} (served {served:.3g})"
                 moved += f", handed away {away:.3g}"
+            if item["pairs"]:
+                moved += f"  overlapped pairs {item['pairs']}/step"
             if item["communicators"] is not None:
                 count, seconds, emulated = item["communicators"]
                 rule = ", NCCL's rules emulated" if emulated else ""
