@@ -150,7 +150,9 @@ describe() {  # PHASE: sets CHECKS (what it checks), GPU, NEEDS (packages), TAKE
         NEEDS+=", Transformer Engine for Megatron's side" TAKES="~5-9 min" ;;
     moe)
         CHECKS="the MoE model (4 experts, top-2 routing, EP 2) at PP 2 x DP 2 with the 4 ranks sharing the GPU"
-        CHECKS+=" (train --distributed-backend gloo), bf16, 3 iterations each: dualpipev, zb-h1; finite losses"
+        CHECKS+=" (train --distributed-backend gloo), bf16, 3 iterations each: dualpipev, zb-h1; finite losses;"
+        CHECKS+=" then dualpipev and v-zb with --overlap-moe-expert-parallel-comm (alltoall dispatcher: each"
+        CHECKS+=" F&B pair through megatron-core's schedule plan, the all-to-alls on its communication stream)"
         TAKES="~4-7 min" ;;
     esac
 }
@@ -178,7 +180,7 @@ round_parts() {  # ROUND: sets PARTS (PHASE/STEP:SECONDS, in the order run) and 
         PARTS=(bench/against-megatron:240 post-validation/200-steps:200) ;;
     round-5)
         ABOUT="the MoE model and the paired schedules on the shared GPU (EP 2, PP 2, DP 2, gloo)"
-        PARTS=(moe/dualpipev:220 moe/zb-h1:220) ;;
+        PARTS=(moe/dualpipev:100 moe/zb-h1:100 moe/dualpipev-paired:120 moe/v-zb-paired:120) ;;
     *) return 1 ;;
     esac
 }
@@ -506,6 +508,11 @@ phase_moe() {  # 4 ranks (PP 2 x DP 2) on the one GPU: gloo, messages staged thr
         --distributed-backend gloo)
     gpu_step dualpipev 280 "$PY" "$G/train_step.py" --iterations 3 -- "${moe[@]}" --pp-schedule dualpipev
     gpu_step zb-h1 280 "$PY" "$G/train_step.py" --iterations 3 -- "${moe[@]}" --pp-schedule zb-h1
+    local paired=(--moe-token-dispatcher-type alltoall --overlap-moe-expert-parallel-comm)
+    gpu_step dualpipev-paired 280 "$PY" "$G/train_step.py" --iterations 3 -- "${moe[@]}" "${paired[@]}" \
+        --pp-schedule dualpipev
+    gpu_step v-zb-paired 280 "$PY" "$G/train_step.py" --iterations 3 -- "${moe[@]}" "${paired[@]}" \
+        --pp-schedule v-zb
 }
 
 # ---- main --------------------------------------------------------------------------------------

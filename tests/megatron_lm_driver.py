@@ -217,6 +217,8 @@ def initialize(argv: list[str]) -> None:
     sizes.add_argument("--tensor-model-parallel-size", type=int, default=1)
     sizes.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
     sizes.add_argument("--context-parallel-size", type=int, default=1)
+    sizes.add_argument("--expert-model-parallel-size", type=int, default=1)
+    sizes.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     known, _ = sizes.parse_known_args(argv)
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(  # shim 1
@@ -224,6 +226,8 @@ def initialize(argv: list[str]) -> None:
         known.pipeline_model_parallel_size,
         known.num_virtual_stages_per_pipeline_rank,
         context_parallel_size=known.context_parallel_size,
+        expert_model_parallel_size=known.expert_model_parallel_size,
+        expert_tensor_parallel_size=known.expert_tensor_parallel_size,
     )
 
 

@@ -100,7 +100,11 @@ def test_dry_run_lists_the_rounds_with_their_parts_and_minutes_each_within_8_min
         for flag in ("--num-experts 4", "--moe-router-topk 2", "--expert-model-parallel-size 2", "--pp 2"):
             assert flag in command, (part, flag)
         assert "--distributed-backend gloo" in command
-    assert {commands[p].split("--pp-schedule ")[1] for p in parts["round-5"]} == {"dualpipev", "zb-h1"}
+    schedules = [commands[p].split("--pp-schedule ")[1] for p in parts["round-5"]]
+    assert schedules == ["dualpipev", "zb-h1", "dualpipev", "v-zb"]
+    paired = [p for p in parts["round-5"] if "--overlap-moe-expert-parallel-comm" in commands[p]]
+    assert paired == ["moe/dualpipev-paired", "moe/v-zb-paired"]
+    assert all("--moe-token-dispatcher-type alltoall" in commands[p] for p in paired)
 
 
 def test_a_round_naming_a_step_its_phase_lacks_fails_the_dry_run(tmp_path: Path) -> None:

@@ -82,6 +82,7 @@ def make_patched_tree(tree: Path) -> Path:
 
 
 def run_driver(tree: Path, tmp_path: Path, mode: str, nproc: int, flags: list[str]) -> list[dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / f"{mode}.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tree)]), "OMP_NUM_THREADS": "1"}
     command = [
@@ -612,6 +613,20 @@ def test_train_step_moe_with_expert_parallelism_equals_megatron_s_1f1b(
     run = run_driver(patched_tree, tmp_path, "train", 4, [*MOE_EP2, "--pp-schedule", schedule])
     assert any(".router." in name for rank in run for name in rank["weights"])
     assert_same_training(run, moe_one_f_one_b, 1e-6)
+
+
+@pytest.mark.slow
+def test_train_step_moe_overlapped_pairs_equal_unpaired(patched_tree: Path, tmp_path: Path) -> None:
+    """Megatron's ``--overlap-moe-expert-parallel-comm`` with our DualPipeV through pretrain_gpt.py
+    (alltoall dispatcher, EP 2; bf16, as megatron-core's config requires for the flag): its F&B
+    pairs run through megatron-core's schedule plan and Megatron-LM's forward_step with
+    ``return_schedule_plan``; the losses and final weights are the unpaired run's."""
+    flags = [*MOE_EP2, "--moe-token-dispatcher-type", "alltoall", "--pp-schedule", "dualpipev", "--bf16"]
+    unpaired = run_driver(patched_tree, tmp_path / "unpaired", "train", 4, flags)
+    paired = run_driver(
+        patched_tree, tmp_path / "paired", "train", 4, [*flags, "--overlap-moe-expert-parallel-comm"]
+    )
+    assert_same_training(paired, unpaired, 1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -59,11 +59,6 @@ REFUSED_FLAGS = (
         "use --pp-offload (PipeOffload) for activation offload",
     ),
     (
-        "overlap_moe_expert_parallel_comm",
-        "--overlap-moe-expert-parallel-comm",
-        "it needs Megatron's own combined 1F1B schedule",
-    ),
-    (
         "delay_wgrad_compute",
         "--delay-wgrad-compute",
         "B/W-split schedules (zb-*, v-*, dualpipev) defer weight gradients themselves, on TE's spec too",

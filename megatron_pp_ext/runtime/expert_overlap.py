@@ -49,6 +49,9 @@ class CommLane:
     GPU (megatron-core's node puts its work on the communication stream)."""
 
     def __init__(self, on_host: bool) -> None:
+        from megatron.core.pipeline_parallel.utils import set_streams
+
+        set_streams()  # megatron-core's computation and communication streams (the host's: no-ops)
         self._thread = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="pp-expert-comm") if on_host else None
         )
