@@ -409,6 +409,11 @@ BAD_LINES: list[tuple[str, str]] = [
     ),
     ("--pipeline-model-parallel-size 2 --pp-zb-costs 1,x", "--pp-zb-costs"),
     ("--pipeline-model-parallel-size 2 --cpu-offloading-num-layers 1", "--cpu-offloading"),
+    (
+        "--pipeline-model-parallel-size 2 --pp-schedule interleaved-1f1b --pp-chunks 2 "
+        "--num-experts 4 --overlap-moe-expert-parallel-comm",
+        "--overlap-moe-expert-parallel-comm",
+    ),
 ]
 GOOD_LINE = "--pipeline-model-parallel-size 4 --pp-schedule zb-h1"
 # Passes the parser; attributes that come later (a checkpoint's, say) make the schedule impossible.

@@ -161,6 +161,34 @@ def check_parsed(namespace: argparse.Namespace) -> None:
     check_args(args)
 
 
+def _check_pairing_args(args: Any, chunks: int) -> None:
+    """``--overlap-moe-expert-parallel-comm``: what the pairs need of the model
+    (``runtime/expert_overlap.py``), and what megatron-core's TransformerConfig asserts for the
+    flag (bf16 or fp16; a virtual pipeline size when PP > 1), named before any process builds."""
+    if not getattr(args, "overlap_moe_expert_parallel_comm", False):
+        return
+    from types import SimpleNamespace
+
+    from ..runtime.expert_overlap import FLAG, config_refusal
+
+    fields = {name: getattr(args, name, None) for name in (
+        "expert_model_parallel_size", "moe_token_dispatcher_type", "recompute_granularity",
+        "recompute_method", "num_microbatches_with_partial_activation_checkpoints",
+        "tensor_model_parallel_size", "context_parallel_size", "mtp_num_layers",
+    )}  # fmt: skip
+    why = config_refusal(SimpleNamespace(num_moe_experts=getattr(args, "num_experts", None), **fields), True)
+    if why is None and not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
+        why = "megatron-core's TransformerConfig accepts it only with --bf16 or --fp16: add one"
+    if why is None and args.pipeline_model_parallel_size > 1 and chunks < 2:
+        why = (
+            f"megatron-core's TransformerConfig asks for a virtual pipeline size with it when PP > 1: use a "
+            f"schedule of two chunks per rank (dualpipev, v-zb, interleaved-1f1b), not --pp-schedule "
+            f"{args.pp_schedule}"
+        )
+    if why is not None:
+        raise OptionError(why, FLAG)
+
+
 def check_args(args: Any) -> None:
     """Refuse Megatron arguments our schedule cannot run with; raise OptionError naming the flag."""
     for attribute, flag, instead in REFUSED_FLAGS:
@@ -202,6 +230,7 @@ def check_args(args: Any) -> None:
             "--untie-embeddings-and-output-weights",
         )
     check_te_wgrad(args, schedule)
+    _check_pairing_args(args, chunks)
     if sliced_attention(args) and getattr(args, "create_attention_mask_in_dataloader", False):
         raise OptionError(
             "our sliced attention (sequence slices, context parallelism) is causal by construction: "
