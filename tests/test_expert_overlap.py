@@ -1,8 +1,9 @@
 """Overlapped pairs (``--overlap-moe-expert-parallel-comm``) on real processes: the forward of one
 microbatch and the backward of another run as one unit through megatron-core's schedule plan, the
 expert all-to-alls on a communication thread (``runtime/expert_overlap.py``). A tiny GPTModel of
-megatron-core MoE layers (4 experts, top-2, the alltoall dispatcher, the load-balancing and
-z-losses on) over PP 2 x EP 2 (DP 2, 4 gloo ranks): every schedule that pairs gives, paired, the
+a dense first layer (megatron-core's no-op dispatch and combine nodes in the plan) then MoE layers
+(4 experts, top-2, a shared expert, the alltoall dispatcher, the load-balancing and z-losses on)
+over PP 2 x EP 2 (DP 2, 4 gloo ranks): every schedule that pairs gives, paired, the
 gradients and losses of the same schedule unpaired and of megatron-core's own run of the whole
 model without a pipeline; under NCCL's rules too (``--pp-emulate-nccl``: the pair's all-to-alls
 on the expert group and the pipeline's messages must not wait on each other's order)."""
@@ -25,6 +26,8 @@ MOE = dict(
     num_moe_experts=4,
     moe_router_topk=2,
     moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=32,
+    moe_layer_freq=[0] + [1] * (2 * PP),  # a dense first layer
     moe_aux_loss_coeff=0.1,
     moe_z_loss_coeff=1e-3,
     moe_token_dispatcher_type="alltoall",
@@ -144,6 +147,7 @@ def test_paired_schedule_equals_unpaired_and_megatron_s_own(name: str) -> None:
             assert not row["missing"], f"rank {rank}: no gradient for {row['missing']}"
             assert any(".router." in n for n in row["grad_errors"]), rank
             assert any(".experts." in n for n in row["grad_errors"]), rank
+            assert any(".shared_experts." in n for n in row["grad_errors"]), rank
             check_worst(row["grad_errors"], limit, f"rank {rank} paired={paired}: gradient of")
         for row in rows:
             if row["is_loss_rank"]:
