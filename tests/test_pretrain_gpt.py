@@ -409,6 +409,7 @@ BAD_LINES: list[tuple[str, str]] = [
     ),
     ("--pipeline-model-parallel-size 2 --pp-zb-costs 1,x", "--pp-zb-costs"),
     ("--pipeline-model-parallel-size 2 --cpu-offloading-num-layers 1", "--cpu-offloading"),
+    ("--pipeline-model-parallel-size 2 --pp-timeline t.json --profile-step-end 2", "--profile-step-end"),
     (
         "--pipeline-model-parallel-size 2 --pp-schedule interleaved-1f1b --pp-chunks 2 "
         "--num-experts 4 --overlap-moe-expert-parallel-comm",
@@ -560,9 +561,18 @@ def test_train_step_v_shape_equals_1f1b(patched_tree: Path, tmp_path: Path, one_
     losses computed on rank 0 and handed to rank 1 where Megatron reads them) gives 1F1B's losses
     and final weights, two optimizer steps, same initial weights by global name. No
     --num-virtual-stages-per-pipeline-rank: Megatron builds the two chunks v-zb runs, as train."""
-    v_shape = run_driver(patched_tree, tmp_path, "train", 2, [*PP2, *V_ZB])
+    timeline = tmp_path / "timeline.json"  # and --pp-timeline over its first step, through the hook
+    window = ["--pp-timeline", str(timeline), "--profile-step-start", "0", "--profile-step-end", "1"]
+    v_shape = run_driver(patched_tree, tmp_path, "train", 2, [*PP2, *V_ZB, *window])
     assert v_shape[0]["losses"] == [{}, {}], "rank 0 is not Megatron's last pipeline rank: no losses there"
     assert_same_training(v_shape, one_f_one_b, 1e-6)
+    tracks = {
+        e["args"]["name"]
+        for e in json.loads(timeline.read_text())["traceEvents"]
+        if e.get("name") == "process_name"
+    }
+    assert tracks == {f"{what} rank {r}" for what in ("measured", "predicted") for r in (0, 1)}
+    assert timeline.with_suffix(".png").is_file()
 
 
 @pytest.mark.slow

@@ -239,12 +239,30 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--normalization", help="RMSNorm (what train builds)")
     model.add_argument("--position-embedding-type", help="rope (what train builds)")
     _add_moe_args(parser)
+    _add_profile_args(parser)
     for flag, what in (
         ("--swiglu", "SwiGLU MLPs"),
         ("--untie-embeddings-and-output-weights", "an output layer of its own"),
         ("--disable-bias-linear", "no linear-layer biases"),
     ):
         model.add_argument(flag, action="store_true", help=f"{what} (what train builds; accepted)")
+
+
+def _add_profile_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's profiling flags, with its defaults and window; ``--pp-timeline`` records
+    the same window as a timeline beside the simulator's prediction."""
+    profile = parser.add_argument_group("profiling (Megatron's flags)")
+    profile.add_argument(
+        "--profile", action="store_true", default=None, help="NVTX ranges named after our ops, for nsys (GPU)"
+    )
+    profile.add_argument(
+        "--use-pytorch-profiler",
+        action="store_true",
+        default=None,
+        help="torch.profiler over the window, each op a named range; trace to --tensorboard-dir",
+    )
+    profile.add_argument("--profile-step-start", type=int, default=10, help="window start (default 10)")
+    profile.add_argument("--profile-step-end", type=int, default=12, help="window end (default 12)")
 
 
 def _add_moe_args(parser: argparse.ArgumentParser) -> None:

@@ -92,6 +92,13 @@ class PipelineOptions:
     # Megatron's --overlap-moe-expert-parallel-comm, for our schedules: overlapped F&B pairs
     # (schedule/pairing.py, runtime/expert_overlap.py)
     overlap_moe_expert_parallel_comm: bool = False
+    # --pp-timeline FILE: record Megatron's profiling window (--profile-step-start/-end) as a
+    # timeline beside the simulator's prediction (runtime/timeline.py)
+    timeline: str | None = None
+    profile_step_start: int = 10  # Megatron's defaults
+    profile_step_end: int = 12
+    # Megatron's --profile / --use-pytorch-profiler: each op a named range (NVTX, record_function)
+    op_ranges: bool = False
     # count activation bytes per step (train reports them; pretrain_gpt.py does not pay for it)
     measure_memory: bool = True
 
@@ -116,6 +123,10 @@ class PipelineOptions:
             calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
             emulate_nccl=bool(getattr(args, "pp_emulate_nccl", False)),
             overlap_moe_expert_parallel_comm=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
+            timeline=getattr(args, "pp_timeline", None),
+            profile_step_start=getattr(args, "profile_step_start", 10),
+            profile_step_end=getattr(args, "profile_step_end", 12),
+            op_ranges=bool(getattr(args, "profile", False) or getattr(args, "use_pytorch_profiler", False)),
             measure_memory=False,  # Megatron-LM reports memory its own way
         )
 
@@ -386,6 +397,14 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="vocabulary parallelism: the embedding and output layer split over the pipeline ranks, "
         "run as the paper's S/T passes (vocab-1: two barriers, vocab-2: one); see docs/vocab_parallel.md",
     )
+    group.add_argument(
+        "--pp-timeline",
+        metavar="FILE.json",
+        default=None,
+        help="record the steps of Megatron's profiling window (--profile-step-start .. "
+        "--profile-step-end) on every rank and write a Perfetto trace FILE.json and its picture "
+        "(FILE.png): the run's ops beside the simulator's prediction at the measured op costs",
+    )
     add_offload_args(parser)
     return parser
 
@@ -443,9 +462,16 @@ class Installed:
     def get_forward_backward_func(self, pp_size: int | None = None, vp_size: int | None = None) -> Callable:
         return self.forward_backward_func
 
+    def flush_timelines(self) -> list[str]:
+        """Write the ``--pp-timeline`` files once its window is over (collective; a no-op before
+        and after): train calls it between steps, the next step does otherwise."""
+        written = [runtime.timeline.flush() for runtime in self._runtimes.values() if runtime.timeline]
+        return [path for path in written if path]
+
     def forward_backward_func(self, **kwargs: Any) -> list[Any]:
         from ..runtime import forward_backward
 
+        self.flush_timelines()
         models = kwargs["model"] if isinstance(kwargs["model"], (list, tuple)) else [kwargs["model"]]
         runtime = self._runtime(models, kwargs.get("pg_collection"), kwargs.get("p2p_communicator"))
         run = run_shape(self.model_shape(), kwargs.get("seq_length"), self.stage_layers())
@@ -564,7 +590,19 @@ class Installed:
                 measure_memory=self.options.measure_memory,
                 cp_group=getattr(pg_collection, "cp", None),
             )
+            self._observe(self._runtimes[key])
         return self._runtimes[key]
+
+    def _observe(self, runtime: Any) -> None:
+        """``--pp-timeline`` and Megatron's profiling flags on a new runtime."""
+        from ..runtime.timeline import TimelineRecorder
+
+        options = self.options
+        if options.timeline:
+            runtime.timeline = TimelineRecorder(
+                options.timeline, options.profile_step_start, options.profile_step_end
+            )
+        runtime.op_ranges = options.op_ranges
 
     def patch(self) -> None:
         """Point every reference to megatron-core's get_forward_backward_func at ours."""

@@ -161,6 +161,24 @@ def check_parsed(namespace: argparse.Namespace) -> None:
     check_args(args)
 
 
+def _check_timeline_args(args: Any) -> None:
+    """``--pp-timeline``: a .json file, and Megatron's profiling window inside the run (its files
+    are written at the start of the step after the window)."""
+    path = getattr(args, "pp_timeline", None)
+    if not path:
+        return
+    if not path.endswith(".json"):
+        raise OptionError(f"{path}: give a .json file (the picture goes beside it)", "--pp-timeline")
+    start, end = getattr(args, "profile_step_start", 10), getattr(args, "profile_step_end", 12)
+    iterations = getattr(args, "train_iters", None)
+    if not 0 <= start < end or (iterations is not None and end >= iterations):
+        raise OptionError(
+            f"the window --profile-step-start {start} .. --profile-step-end {end} must lie inside the run "
+            f"and end before --train-iters {iterations} (the files are written at the next step)",
+            "--profile-step-end",
+        )
+
+
 def _check_pairing_args(args: Any, chunks: int) -> None:
     """``--overlap-moe-expert-parallel-comm``: what the pairs need of the model
     (``runtime/expert_overlap.py``), and what megatron-core's TransformerConfig asserts for the
@@ -231,6 +249,7 @@ def check_args(args: Any) -> None:
         )
     check_te_wgrad(args, schedule)
     _check_pairing_args(args, chunks)
+    _check_timeline_args(args)
     if sliced_attention(args) and getattr(args, "create_attention_mask_in_dataloader", False):
         raise OptionError(
             "our sliced attention (sequence slices, context parallelism) is causal by construction: "

@@ -82,6 +82,7 @@ from .redistribution import AttentionCounts, Plan, Redistribution, StepRedistrib
 from .slicing import SliceFn, StepSlicing, check_sliced_moe, plan_slices
 from .stage import ForwardStepFunc, LossRecord, PendingBackward, StageRunner, deallocate
 from .step_feature import OpFailure, PipelineError, StepFeature
+from .timeline import OpRanges, StepTimeline, TimelineRecorder
 from .vocab_ops import FORWARD_KINDS as VOCAB_FORWARD_KINDS
 from .vocab_ops import VocabSetup, VocabStep
 from .weight_grad import WeightGradStore
@@ -241,6 +242,11 @@ class PipelineRuntime:
         self._in_flight: dict[tuple, dict[int, int]] = {}  # partial activation checkpoints, once each
         self.redistribution = Redistribution(comm, attn_redistribution, self.chunks)
         self._lane: CommLane | None = None  # overlapped pairs' all-to-alls, made at the first pair
+        # --pp-timeline: which steps to record (runtime/timeline.py); None records nothing
+        self.timeline: TimelineRecorder | None = None
+        self._recording: StepTimeline | None = None  # this step's, when recorded
+        # Megatron's --profile / --use-pytorch-profiler: every op a named range (timeline.py)
+        self.op_ranges = False
 
     def lane(self) -> CommLane:
         """Where overlapped pairs run their communication nodes (a thread of its own on the host)."""
@@ -344,6 +350,22 @@ class PipelineRuntime:
             variable,
             paired,
         )
+        self._recording = self.timeline.step_feature(self, forward_only) if self.timeline else None
+        result = self._run(step, key, iterators, gate)
+        if self.timeline is not None:
+            self.timeline.step_done(self, lowered, forward_only)
+        return result
+
+    def _run(
+        self,
+        step: _StepArgs,
+        key: tuple,
+        iterators: list[Iterator[Any] | None],
+        gate: Callable[[], bool] | None,
+    ) -> StepResult:
+        """The step's attempts: one, or two when the validation gate finds the previous
+        optimizer step redone (the forwards before the gate run again)."""
+        lowered, forward_only = step.lowered, step.forward_only
         gate_at, in_flight = 0, []
         at_start = forward_only or gate_at_start(lowered, bool(self.redistribution.cap))
         if gate is not None and not at_start:
@@ -412,6 +434,10 @@ class PipelineRuntime:
         sync = self._grad_sync(step)
         run = _StepRun(self, step, runners, iterators, shape_of, slicing)
         features = run.features(sync, offload, redistribution, gate)
+        if self._recording is not None:  # the same recorder for a restarted attempt: it starts over
+            features.append(self._recording)
+        if self.op_ranges:
+            features.append(OpRanges(self.device.type == "cuda"))
         try:
             for op in drain:
                 run.drop_message(op)

@@ -115,11 +115,10 @@ def plot_timeline(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     schedule = result.schedule
-    pp, chunks, num_slices = schedule.pp, schedule.vpp, schedule.slices
+    pp, chunks = schedule.pp, schedule.vpp
     scale, xlabel = _time_scale(result, time_unit)
     makespan = result.makespan * scale or 1.0
 
@@ -140,6 +139,65 @@ def plot_timeline(
     op_axes = [first_axis] + [fig.add_subplot(grid[2 * r], sharex=first_axis) for r in range(1, pp)]
     mem_axes = [fig.add_subplot(grid[2 * r + 1], sharex=first_axis) for r in range(pp)]
 
+    _draw_ops(op_axes, result, scale, makespan, width_in)
+
+    peak_m = max(result.peak_memory_m, default=0.0) or 1.0
+    unit = result.microbatch_activation or 1.0
+    for rank, axis in enumerate(mem_axes):
+        curve = result.memory_curves[rank] if rank < len(result.memory_curves) else [(0.0, 0.0)]
+        curve = sorted(curve, key=_time_of)  # stable: same-time changes keep their order
+        times = [t * scale for t, _ in curve] + [makespan]
+        values = [v / unit for _, v in curve]
+        values.append(values[-1])
+        axis.fill_between(times, values, step="post", color="#f0ad4e", alpha=0.45, linewidth=0)
+        axis.step(times, values, where="post", color="#b8741a", linewidth=0.8)
+        axis.set_ylim(0, peak_m * 1.15)
+        axis.set_yticks([0, round(peak_m, 2)])
+        axis.tick_params(axis="y", labelsize=6.5, length=2, pad=1)
+        axis.set_ylabel(
+            f"peak\n{result.peak_memory_m[rank]:.3f} M",
+            rotation=0,
+            ha="right",
+            va="center",
+            fontsize=7,
+            color="#7a4d10",
+        )
+        if rank < pp - 1:
+            axis.tick_params(labelbottom=False)
+        for side in ("top", "right"):
+            axis.spines[side].set_visible(False)
+    mem_axes[-1].set_xlabel(xlabel, fontsize=9)
+    first_axis.set_xlim(0, makespan)
+
+    kinds = [kind for kind in KIND_COLOURS if any(e.op.kind == kind for e in result.events + result.copies)]
+    handles = [Patch(color=KIND_COLOURS[kind], label=LEGEND_NAMES.get(kind, kind.value)) for kind in kinds]
+    if result.collectives:
+        handles.append(Patch(color=COLLECTIVE_COLOURS[OpKind.REDUCE_S], label="collectives (top strip)"))
+    if chunks > 1:
+        shades = [_shade(KIND_COLOURS[OpKind.F], c, chunks) for c in (0, chunks - 1)]
+        handles.append(
+            Patch(facecolor=shades[1], edgecolor=shades[0], label=f"lighter: later chunk (v={chunks})")
+        )
+    handles.append(Patch(color="#f0ad4e", alpha=0.6, label="activation memory (M)"))
+    fig.legend(
+        handles=handles,
+        loc="upper right",
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(RIGHT, 1 - 0.32 / height_in),
+    )
+    fig.suptitle(_title(result), x=LEFT, y=1 - 0.12 / height_in, ha="left", va="top", fontsize=10)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def _draw_ops(op_axes: list[Any], result: SimResult, scale: float, makespan: float, width_in: float) -> None:
+    """One row of boxes per rank of ``result`` on ``op_axes``, each labelled with its rank."""
+    from matplotlib.collections import PolyCollection
+
+    schedule = result.schedule
+    pp, chunks, num_slices = schedule.pp, schedule.vpp, schedule.slices
     # Label only boxes wide enough for their text: widths in points, from axes width in inches.
     axis_width_pt = width_in * (RIGHT - LEFT) * 72
     char_pt = LABEL_FONT_PT * 0.62
@@ -192,44 +250,19 @@ def plot_timeline(
         for side in ("top", "right", "left"):
             axis.spines[side].set_visible(False)
 
-    peak_m = max(result.peak_memory_m, default=0.0) or 1.0
-    unit = result.microbatch_activation or 1.0
-    for rank, axis in enumerate(mem_axes):
-        curve = result.memory_curves[rank] if rank < len(result.memory_curves) else [(0.0, 0.0)]
-        curve = sorted(curve, key=_time_of)  # stable: same-time changes keep their order
-        times = [t * scale for t, _ in curve] + [makespan]
-        values = [v / unit for _, v in curve]
-        values.append(values[-1])
-        axis.fill_between(times, values, step="post", color="#f0ad4e", alpha=0.45, linewidth=0)
-        axis.step(times, values, where="post", color="#b8741a", linewidth=0.8)
-        axis.set_ylim(0, peak_m * 1.15)
-        axis.set_yticks([0, round(peak_m, 2)])
-        axis.tick_params(axis="y", labelsize=6.5, length=2, pad=1)
-        axis.set_ylabel(
-            f"peak\n{result.peak_memory_m[rank]:.3f} M",
-            rotation=0,
-            ha="right",
-            va="center",
-            fontsize=7,
-            color="#7a4d10",
-        )
-        if rank < pp - 1:
-            axis.tick_params(labelbottom=False)
-        for side in ("top", "right"):
-            axis.spines[side].set_visible(False)
-    mem_axes[-1].set_xlabel(xlabel, fontsize=9)
-    first_axis.set_xlim(0, makespan)
 
-    kinds = [kind for kind in KIND_COLOURS if any(e.op.kind == kind for e in result.events + result.copies)]
+def _legend(fig: Any, results: list[SimResult], height_in: float) -> None:
+    from matplotlib.patches import Patch
+
+    present = [e.op.kind for result in results for e in result.events + result.copies]
+    kinds = [kind for kind in KIND_COLOURS if kind in present]
     handles = [Patch(color=KIND_COLOURS[kind], label=LEGEND_NAMES.get(kind, kind.value)) for kind in kinds]
-    if result.collectives:
-        handles.append(Patch(color=COLLECTIVE_COLOURS[OpKind.REDUCE_S], label="collectives (top strip)"))
+    chunks = max(result.schedule.vpp for result in results)
     if chunks > 1:
         shades = [_shade(KIND_COLOURS[OpKind.F], c, chunks) for c in (0, chunks - 1)]
         handles.append(
             Patch(facecolor=shades[1], edgecolor=shades[0], label=f"lighter: later chunk (v={chunks})")
         )
-    handles.append(Patch(color="#f0ad4e", alpha=0.6, label="activation memory (M)"))
     fig.legend(
         handles=handles,
         loc="upper right",
@@ -238,7 +271,60 @@ def plot_timeline(
         frameon=False,
         bbox_to_anchor=(RIGHT, 1 - 0.32 / height_in),
     )
-    fig.suptitle(_title(result), x=LEFT, y=1 - 0.12 / height_in, ha="left", va="top", fontsize=10)
+
+
+def plot_comparison(
+    results: list[tuple[str, SimResult]], path: str, *, width_in: float = 16.0, dpi: int = 130
+) -> None:
+    """Several timelines of one schedule on one time axis (seconds), one block of rank rows each,
+    titled with its label and per-rank bubble: a real run above the simulator's prediction
+    (``runtime/timeline.py``). No memory rows: a run measures its peak only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    horizon = max(result.makespan for _, result in results) or 1.0
+    scale, xlabel = _time_scale(SimResult(results[0][1].schedule, horizon, [], [], 1.0), "s")
+    row_in, gap = 0.45, 1
+    rows = sum(result.schedule.pp + gap for _, result in results) - gap
+    height_in = 1.2 + rows * row_in + 0.3 * len(results)
+    fig = plt.figure(figsize=(width_in, height_in), dpi=dpi)
+    ratios = []
+    for index, (_, result) in enumerate(results):
+        ratios += [1.0] * result.schedule.pp + ([0.9] if index < len(results) - 1 else [])
+    grid = fig.add_gridspec(
+        len(ratios), 1, height_ratios=ratios, hspace=0.1, left=LEFT + 0.04, right=RIGHT,
+        top=1 - 0.75 / height_in, bottom=0.5 / height_in,
+    )  # fmt: skip
+    first = None
+    row = 0
+    for index, (label, result) in enumerate(results):
+        axes = []
+        for _ in range(result.schedule.pp):
+            axis = (
+                fig.add_subplot(grid[row], sharex=first) if first is not None else fig.add_subplot(grid[row])
+            )
+            first = first or axis
+            axes.append(axis)
+            row += 1
+        _draw_ops(axes, result, scale, horizon * scale, width_in)
+        bubbles = " ".join(f"{rate:.0%}" for rate in result.bubble_rate_per_rank)
+        axes[0].set_title(
+            f"{label}: {result.makespan * scale:.3g} {xlabel[6:-1]}, bubble per rank {bubbles}",
+            loc="left", fontsize=9,
+        )  # fmt: skip
+        if index == len(results) - 1:
+            axes[-1].tick_params(labelbottom=True, bottom=True)
+            axes[-1].set_xlabel(xlabel, fontsize=9)
+        row += 1 if index < len(results) - 1 else 0
+    first.set_xlim(0, horizon * scale)
+    _legend(fig, [result for _, result in results], height_in)
+    s = results[0][1].schedule
+    fig.suptitle(
+        f"{s.name}: p={s.pp} m={s.microbatches} v={s.vpp} k={s.slices}",
+        x=LEFT, y=1 - 0.12 / height_in, ha="left", va="top", fontsize=10,
+    )  # fmt: skip
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
@@ -309,3 +395,24 @@ def write_trace(result: SimResult, path: str, microseconds_per_unit: float = 1e6
     """Write :func:`trace_events` as JSON to ``path`` (open it in ui.perfetto.dev)."""
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(trace_events(result, microseconds_per_unit), handle)
+
+
+def write_trace_of(results: list[tuple[str, SimResult]], path: str) -> None:
+    """Several timelines (seconds) in one trace: each result's ranks as processes of their own,
+    named ``LABEL rank r`` (a real run beside its prediction, ``runtime/timeline.py``)."""
+    events: list[dict[str, Any]] = []
+    other: dict[str, Any] = {}
+    offset = 0
+    for label, result in results:
+        for event in trace_events(result)["traceEvents"]:
+            event = dict(event)
+            event["pid"] = event["pid"] + offset
+            if event.get("name") == "process_name":
+                event["args"] = {"name": f"{label} {event['args']['name']}"}
+            if event.get("name") == "process_sort_index":
+                event["args"] = {"sort_index": event["pid"]}
+            events.append(event)
+        other[label] = result.to_dict()
+        offset += result.schedule.pp
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}, handle)

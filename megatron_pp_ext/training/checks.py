@@ -49,6 +49,7 @@ def check(settings: TrainSettings) -> None:
     if settings.tensorboard_dir is not None:
         if not logs.available():
             raise UsageError("--tensorboard-dir", "needs the tensorboard package: pip install tensorboard")
+    _check_profiling(settings)
     if settings.post_validation_chain != "measured" and not settings.post_validation:
         raise UsageError("--pp-post-validation-chain", "needs --pp-post-validation")
     if settings.optimizer == "megatron":
@@ -144,6 +145,38 @@ def _check_parallel(settings: TrainSettings, model: Any) -> None:
             "--seq-length",
             f"{model.seq_length} is not divisible by {tp_flag} {settings.tp} (sequence parallelism)",
         )
+
+
+def _check_profiling(settings: TrainSettings) -> None:
+    """Megatron's profiling window and flags, and ``--pp-timeline``: each honoured or refused."""
+    options = settings.pipeline
+    start, end = options.profile_step_start, options.profile_step_end
+    profiling = options.timeline or options.op_ranges
+    if profiling and not 0 <= start < end:
+        raise UsageError("--profile-step-end", f"{end} must be above --profile-step-start {start} (>= 0)")
+    if profiling and end > settings.iterations:
+        raise UsageError(
+            "--profile-step-end",
+            f"{end}: the profiling window ends after --train-iters {settings.iterations}; "
+            "set --profile-step-start/--profile-step-end inside the run",
+        )
+    if options.timeline and not options.timeline.endswith(".json"):
+        raise UsageError(
+            "--pp-timeline", f"{options.timeline}: give a .json file (the picture goes beside it)"
+        )
+    if settings.use_pytorch_profiler and settings.tensorboard_dir is None:
+        raise UsageError(
+            "--use-pytorch-profiler", "writes its trace to --tensorboard-dir (as Megatron-LM): add it"
+        )
+    if settings.profile:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(
+                "--profile",
+                "NVTX ranges for nsys need a GPU; on this machine use --pp-timeline FILE.json or "
+                "--use-pytorch-profiler",
+            )
 
 
 def _check_pairing(settings: TrainSettings, extra: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ from .data import TrainData
 from .metrics import RankFigures, TrainLog, report_ranks
 from .model import build_model, init_parallel, layer_list, model_config
 from .optimizer_steps import build_optimizer_steps
+from .profiler import pytorch_profiler
 from .settings import TrainSettings, learning_rate, scheduler_state
 
 Row = dict[str, Any]
@@ -133,12 +134,19 @@ class TrainJob:
         self.log = TrainLog(settings, self.shows, first)
         rows: list[Row] = []
         began = time.perf_counter()
+        profiler = pytorch_profiler(settings)
         for iteration in range(first, settings.iterations + 1):
             row, step = self.train_step(iteration, iterators, began)
+            if profiler is not None:
+                profiler.step()
+            for picture in self.hook.flush_timelines():  # after the window, outside its steps
+                self.log.write(f"--pp-timeline: wrote {self.settings.pipeline.timeline} and {picture}")
             rows.append(row)
             saved = self._after_step(row, step, valid_iterators)
             if self.stop is not None and iteration < settings.iterations and self._stopped(iteration, saved):
                 break
+        if profiler is not None:
+            profiler.stop()
         if self.stop is not None:
             self.stop.finish()
         self.log.close()

@@ -76,6 +76,8 @@ class TrainSettings:
     post_validation: bool = False  # Zero Bubble's optimizer post-validation
     post_validation_chain: str = "measured"  # the partial state's order: measured, auto, up, down
     optimizer: str = "auto"  # --pp-optimizer: auto, megatron, torch
+    profile: bool = False  # Megatron's --profile: NVTX ranges (the ops' names: pipeline.op_ranges)
+    use_pytorch_profiler: bool = False  # Megatron's: torch.profiler over the profiling window
     transformer_impl: str | None = None  # Megatron's --transformer-impl; None: use_te() decides
     # Megatron's --distributed-backend; None: NCCL on GPUs, gloo on CPU; gloo on GPUs shares them
     distributed_backend: str | None = None
@@ -207,6 +209,8 @@ def load_settings(args: argparse.Namespace) -> TrainSettings:
         post_validation=args.pp_post_validation,
         post_validation_chain=getattr(args, "pp_post_validation_chain", None) or "measured",
         optimizer=getattr(args, "pp_optimizer", None) or "auto",
+        profile=bool(getattr(args, "profile", None)),
+        use_pytorch_profiler=bool(getattr(args, "use_pytorch_profiler", None)),
         transformer_impl=args.transformer_impl,
         distributed_backend=args.distributed_backend,
         chunks_flag=chunks_flag,
