@@ -78,6 +78,14 @@ FULL_ONLY: dict[str, str] = {
     "tests/test_slurm_scripts.py::test_the_harness_sees_megatrons_refusals": "the dry runs stay quick",
     "tests/test_bench_emulate.py::test_the_runner_executes_each_ranks_lowered_ops_in_order": "the other emulate tests",
     "tests/test_bench_emulate.py::test_fidelity_sweep_within_a_bound_that_wrong_predictions_miss": "the same",
+    "tests/test_bench_emulate.py::test_the_runner_runs_each_pair_as_one_unit": "test_expert_overlap's real pairs",
+    "tests/test_bench_emulate.py::test_paired_run_agrees_with_its_prediction": "the paired prediction's unit test",
+    # overlapped pairs: test_expert_overlap (every pairing schedule, real processes) stays quick
+    "tests/test_pretrain_gpt.py::test_train_step_moe_overlapped_pairs_equal_unpaired": (
+        "test_expert_overlap and train's paired DualPipeV (test_moe_train)"
+    ),
+    # the timeline: the runtime test and train's zb-h1 picture stay quick
+    "tests/test_timeline.py::test_train_writes_the_trace_and_the_picture[[]schedule1]": "zb-h1's (schedule0)",
     "tests/test_bench.py::test_against_megatron_same_step_paired_rounds": "bench against megatron-core",
     "tests/test_bench.py::test_bad_flags_fail_before_launch[[]args[12]*": "more bad bench flags",
     "tests/test_gpu_validate.py::test_probe_without_gpu_skips_the_gpu_checks_and_appends_to_docs": "GPU probe",
