@@ -256,3 +256,99 @@ def test_plan_still_refuses_an_moe_config() -> None:
     code, _, err = cli("plan", "--gpus", "8", "--model", "tiny-deepseek")
     assert code == 2 and "--model" in err and "mixture-of-experts" in err
     assert len(err.strip().splitlines()) == 1
+
+
+# ---- the expert all-to-all (issue #46) -----------------------------------------------------
+
+
+def test_expert_all_to_all_of_an_op_by_hand() -> None:
+    """Per MoE layer two all-to-alls a forward (dispatch, combine) and two a backward, each the
+    rank's tokens x k copies x h x 2 bytes (bf16) x (EP-1)/EP, at the EP bandwidth."""
+    # stage 0 holds layers 0 (MoE) and 1, stage 1 layers 2 (MoE) and 3: one MoE layer each
+    costs = FlopCosts(MOE, seq_length=16, num_stages=2, parallel=Parallelism(dp=2, ep=2), ep_bandwidth=512.0)
+    forward = Op(OpKind.F, 0, 0)
+    one = 16 * K * H * 2 * (2 - 1) / 2  # 16 tokens, 2 copies, h = 8, bf16, half leave the rank
+    assert one == 256 and costs.expert_alltoall_bytes(forward) == one
+    assert costs.expert_comm_time(forward) == 2 * one / 512.0 == 1.0
+    for kind in (OpKind.B, OpKind.BW):
+        assert costs.expert_comm_time(Op(kind, 1, 3)) == 1.0
+    compute = costs.flops(forward) / (costs.peak_flops * costs.utilisation)
+    assert costs.duration(forward) == compute + 1.0  # exposed unless a pair hides it
+
+    # b = 2 sequences, TP 2 with SP and CP 2 cut them to 2 x 16 / 4 = 8 tokens a rank; EP 4
+    # keeps 1/4 of the copies local; a slice of 12 tokens of 16 sends 12/16 of that
+    parallel = Parallelism(tp=2, sp=True, cp=2, ep=4, etp=1)
+    sharded = FlopCosts(MOE, 16, num_stages=2, micro_batch_size=2, parallel=parallel, ep_bandwidth=1.0)
+    assert sharded.expert_comm_time(forward) == 2 * (8 * K * H * 2 * 3 / 4) == 384
+    sliced = FlopCosts(
+        MOE, 16, 2, micro_batch_size=2, slice_lengths=[4, 12], parallel=parallel, ep_bandwidth=1.0
+    )
+    assert sliced.expert_comm_time(Op(OpKind.F, 0, 0, 1)) == 384 * 12 / 16
+
+
+def test_no_expert_all_to_all_for_ep_1_w_ops_dense_stages_and_dense_models() -> None:
+    ep2 = Parallelism(dp=2, ep=2)
+    costs = FlopCosts(ModelShape(**{**MOE.__dict__, "moe_layer_freq": (1, 1, 0, 0)}), 16, 2, parallel=ep2)
+    assert costs.expert_comm_time(Op(OpKind.F, 0, 0)) > 0
+    assert costs.expert_comm_time(Op(OpKind.W, 0, 0)) == 0  # weight gradients move no tokens
+    assert costs.expert_comm_time(Op(OpKind.F, 1, 0)) == 0  # stage 1: layers 2 and 3, dense
+    assert FlopCosts(MOE, 16, 2, parallel=Parallelism(dp=2)).expert_comm_time(Op(OpKind.F, 0, 0)) == 0
+    dense = FlopCosts(DENSE, 16, 2, parallel=ep2)
+    for kind in (OpKind.F, OpKind.B, OpKind.W, OpKind.BW):
+        op = Op(kind, 0, 0)
+        assert dense.expert_comm_time(op) == 0
+        assert dense.duration(op) == dense.flops(op) / (dense.peak_flops * dense.utilisation)
+    assert costs.ep_bandwidth == 50e9  # one 400 Gb/s NIC per GPU (DeepSeek-V3's cluster)
+    with pytest.raises(ValueError, match="ep_bandwidth"):
+        FlopCosts(MOE, 16, 2, ep_bandwidth=0.0)
+
+
+DEEPSEEK = [
+    "simulate", "--model", "deepseek-v3-like", "--schedule", "dualpipev", "--pp", "4",
+    "--microbatches", "16", "--data-parallel-size", "64", "--json",
+]  # fmt: skip
+
+
+def test_deepseek_like_config_is_deepseek_v3_s_shape() -> None:
+    shape = configs.shape("deepseek-v3-like")
+    assert (shape.layers, shape.hidden, shape.heads, shape.vocab) == (61, 7168, 128, 129280)
+    assert (shape.experts, shape.topk, shape.moe_ffn, shape.shared_expert_ffn) == (256, 8, 2048, 2048)
+    assert shape.moe_layers() == (False,) * 3 + (True,) * 58
+    assert abs(shape.total_params() / 671e9 - 1) < 0.01
+
+
+def test_simulate_pairs_hide_the_flop_models_all_to_all_on_a_deepseek_like_model() -> None:
+    """EP 64: every F and B of an MoE stage pays its all-to-all (less at a faster link, none at
+    EP 1), and DualPipeV's pairs hide much of it: shorter than unpaired."""
+
+    def report(*extra: str) -> dict:
+        code, out, err = cli(*DEEPSEEK, *extra)
+        assert code == 0, err
+        return json.loads(out)
+
+    ep64 = report("--expert-model-parallel-size", "64", "--overlap-moe-expert-parallel-comm")
+    assert ep64["pairs"] > 0 and ep64["makespan"] < 0.9 * ep64["makespan_unpaired"], ep64
+    faster = report("--expert-model-parallel-size", "64", "--pp-ep-bandwidth", "400")["makespan"]
+    ep1 = report()
+    assert ep1["makespan"] < faster < ep64["makespan_unpaired"]
+    assert "pairs" not in ep1  # the JSON has them only when pairing was asked for
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*DEEPSEEK, "--pp-ep-bandwidth", "0"],
+        [*DEEPSEEK, "--pp-ep-bandwidth", "-50"],
+        [*DEEPSEEK, "--pp-ep-bandwidth", "nan"],
+        ["simulate", "--pp-ep-bandwidth", "50"],  # the uniform model's is --pp-expert-comm
+    ],
+)
+def test_simulate_refuses_a_bad_ep_bandwidth_in_one_line(argv: list[str]) -> None:
+    code, out, err = cli(*argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "--pp-ep-bandwidth" in err, err
+
+
+def test_simulate_with_a_model_points_pp_expert_comm_to_the_ep_bandwidth() -> None:
+    code, _, err = cli("simulate", "--model", "llama-7b", "--pp-expert-comm", "1")
+    assert code == 2 and "--pp-expert-comm" in err and "--pp-ep-bandwidth" in err

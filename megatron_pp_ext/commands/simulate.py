@@ -7,7 +7,9 @@ output layer are spread over all pipeline ranks (S and T passes, ``schedule/voca
 table compares makespan, busy time and peak memory with and without. With ``--model`` and
 Megatron's parallel flags (TP, SP, CP, DP, distributed optimizer, and EP and expert TP for a
 mixture-of-experts config) each rank's memory is its activations plus weights, gradients and
-optimizer state (``schedule/memory_model.py``). With
+optimizer state (``schedule/memory_model.py``); with EP > 1 each F and B of an MoE stage also
+pays its expert all-to-all at ``--pp-ep-bandwidth`` (``FlopCosts.expert_comm_time``), which
+``--overlap-moe-expert-parallel-comm``'s pairs hide behind compute. With
 ``--iterations N`` the schedule runs N times back to back with the optimizer step between
 (``schedule/iterations.py``): the iteration-boundary bubble, and with ``--pp-post-validation``
 how much Zero Bubble's optimizer post-validation takes back (``docs/post_validation.md``).
@@ -27,6 +29,7 @@ from typing import Any
 from ..schedule import pairs
 from ..schedule.completion import FREE, add_completion_argument
 from ..schedule.costs import CostModel, UniformCosts
+from ..schedule.flops import EP_BANDWIDTH
 from ..schedule.generators import SCHEDULES, Costs, RequestError, generate
 from ..schedule.ir import Schedule, load
 from ..schedule.iterations import IterationsResult, simulate_iterations
@@ -84,6 +87,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0.0,
         help="the expert all-to-all time of a whole microbatch's forward (and of its backward) on a "
         "rank, same unit as --costs: part of each F and B unless paired (uniform model)",
+    )
+    parser.add_argument(
+        "--pp-ep-bandwidth",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="with --model: GB/s per rank of the expert all-to-all of a mixture-of-experts model "
+        f"under --expert-model-parallel-size > 1 (default {EP_BANDWIDTH / 1e9:g}: one 400 Gb/s "
+        "InfiniBand NIC per GPU, as in DeepSeek-V3's H800 cluster, whose expert parallelism spans "
+        "nodes); part of each F and B unless paired",
     )
     add_completion_argument(parser)
     parser.add_argument(
@@ -309,6 +322,20 @@ def parallel_from_args(args: argparse.Namespace) -> Parallelism:
     return parallel
 
 
+def check_ep_bandwidth(args: argparse.Namespace) -> None:
+    """``--pp-ep-bandwidth``: a positive finite GB/s, and only for the FLOP model (the uniform
+    model's all-to-all is a time, ``--pp-expert-comm``)."""
+    value = args.pp_ep_bandwidth
+    if value is None:
+        return
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError("--pp-ep-bandwidth", f"expected a positive number of GB/s, got {value:g}")
+    if args.model is None:
+        raise UsageError(
+            "--pp-ep-bandwidth", "needs --model NAME (without it the all-to-all time is --pp-expert-comm)"
+        )
+
+
 def resolve_model(args: argparse.Namespace) -> None:
     """``--model`` as a preset or a config (configs/*.yaml, read here: the schedule core stays
     free of YAML), and ``--seq-length``'s default: the config's, else 4096. A config with learned
@@ -426,7 +453,8 @@ def cost_model(
     if args.pp_expert_comm:
         raise UsageError(
             "--pp-expert-comm",
-            "the uniform model's all-to-all time: with --model the FLOP model has none yet",
+            "the uniform model's all-to-all time: with --model the FLOP model prices it from the "
+            "model, the EP size and --pp-ep-bandwidth GBPS",
         )
     from ..schedule.flops import flop_costs_for
     from ..schedule.partition import DEFAULT_UNIT
@@ -436,6 +464,8 @@ def cost_model(
         options["host_bandwidth"] = args.pp_host_bandwidth
     if args.pp_compute_throughput:
         options.update(peak_flops=args.pp_compute_throughput, utilisation=1.0)
+    if args.pp_ep_bandwidth is not None:
+        options["ep_bandwidth"] = args.pp_ep_bandwidth * 1e9
     parallel = parallel_from_args(args)
     return flop_costs_for(
         model_shape(args),
@@ -511,6 +541,9 @@ def result_dict(args: argparse.Namespace, result: SimResult) -> dict[str, Any]:
         data["parallel"] = parallel
         data["memory_parts_bytes"] = [p.to_dict() for p in parts]
     data["memory_max_over_min"] = memory_balance(args, result)
+    if "makespan_unpaired" in result.schedule.meta:
+        data["pairs"] = pairs.count(result.schedule)
+        data["makespan_unpaired"] = result.schedule.meta["makespan_unpaired"]
     data["nccl"] = nccl_summary(result.schedule)
     data["comm_completion"] = getattr(args, "comm_completion", FREE)
     if result.without_vocab is not None:
@@ -754,6 +787,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def run(args: argparse.Namespace) -> int:
     resolve_model(args)
     parallel_from_args(args)  # bad sizes fail once, before any schedule (also for 'all')
+    check_ep_bandwidth(args)
     if args.schedule == "all" and not args.schedule_file:
         return run_all(args)
     result = simulate_one(args, args.schedule)

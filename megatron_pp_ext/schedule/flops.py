@@ -13,7 +13,17 @@ A mixture-of-experts layer (``ModelShape.experts``) counts what a token activate
 dense layer's, the router (h x E), the shared expert and k routed experts of width f_e, each GEMM
 2 FLOPs per multiply-add as above; a stage's ops count its own mix of MoE and dense layers
 (``memory_model.stage_moe_layers``). Routing is taken as balanced (every expert gets k/E of the
-tokens); the all-to-all of the dispatch is not timed.
+tokens).
+
+With expert parallelism (EP > 1) each MoE layer's tokens cross the EP ranks in all-to-alls: a
+forward's dispatch and combine, a backward's (B or BW) two gradient all-to-alls. Each sends, per
+rank, its tokens (b x s / (t if SP) / c) x the routed copies x h in the activation type, less the
+1/EP share whose expert is local, at ``ep_bandwidth`` (``expert_comm_time``; default 50 GB/s: one
+400 Gb/s InfiniBand NIC per GPU, as in DeepSeek-V3's H800 cluster, whose EP spans nodes). It is
+part of the op's duration, hidden only where an overlapped F&B pair runs it behind its partner's
+compute (``pairs.hidden_seconds``). Not modelled: DeepSeek-V3's node-limited routing (a token
+crosses IB once per node), FP8 dispatch, the expert-TP all-gather, stragglers of unbalanced
+routing.
 
 Stage 0 also holds the embedding (a lookup: no FLOPs, no saved activation beyond token ids). The
 last stage also holds the final norm, the output layer (2*s*h*V FLOPs each for F, B and W) and the
@@ -47,6 +57,11 @@ from .ir import COLLECTIVE_KINDS, Op, OpKind, Schedule
 from .memory_model import FP32, Parallelism, TokenBytes, stage_moe_layers
 from .models import ModelShape, get_model
 from .partition import DEFAULT_UNIT, causal_pairs, slice_lengths
+
+# Bytes/s of one rank's expert all-to-all: one 400 Gb/s InfiniBand NIC per GPU, DeepSeek-V3's
+# H800 cluster, where expert parallelism spans nodes (its technical report, arXiv 2412.19437,
+# sections 3.1 and 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s within a node).
+EP_BANDWIDTH = 50e9
 
 
 def layer_activation_parts(shape: ModelShape, moe: bool = False) -> TokenBytes:
@@ -182,6 +197,7 @@ class FlopCosts:
     parallel: Parallelism = field(default_factory=Parallelism)
     vocab_parallel: str = "none"  # "vocab-1" / "vocab-2": the output layer runs as S and T on every rank
     pipeline_ranks: int | None = None  # p, the ranks the vocabulary is split over (default: num_stages)
+    ep_bandwidth: float = EP_BANDWIDTH  # bytes/s of one rank's expert all-to-all (EP > 1)
     microbatch_activation: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -199,8 +215,11 @@ class FlopCosts:
                 f"layers_per_stage lists {len(self.layers_per_stage)} stages, the schedule has "
                 f"{self.num_stages}"
             )
-        if self.peak_flops * self.utilisation <= 0 or self.p2p_bandwidth <= 0 or self.host_bandwidth <= 0:
-            raise ValueError("peak_flops, utilisation, p2p_bandwidth and host_bandwidth must be positive")
+        rates = (self.peak_flops * self.utilisation, self.p2p_bandwidth, self.host_bandwidth)
+        if not all(rate > 0 for rate in (*rates, self.ep_bandwidth)):
+            raise ValueError(
+                "peak_flops, utilisation, p2p_bandwidth, host_bandwidth and ep_bandwidth must be positive"
+            )
         if self.ranks_per_host < 1:
             raise ValueError(f"ranks_per_host must be at least 1, got {self.ranks_per_host}")
         if self.vocab_parallel not in ("none", "vocab-1", "vocab-2"):
@@ -272,7 +291,31 @@ class FlopCosts:
     # ---- CostModel -----------------------------------------------------------------------
 
     def duration(self, op: Op) -> float:
-        return self.flops(op) / (self.peak_flops * self.utilisation)
+        """Compute at the delivered FLOP rate plus the expert all-to-alls, exposed unless an
+        overlapped pair hides them (as ``UniformCosts.duration``)."""
+        return self.flops(op) / (self.peak_flops * self.utilisation) + self.expert_comm_time(op)
+
+    def expert_alltoall_bytes(self, op: Op) -> float:
+        """Bytes one rank sends in one expert all-to-all of ``op``'s unit: its tokens (b x s, / t
+        under SP, / c) x the routed copies (k, or what a capacity factor keeps) x h in the
+        activation type, x (EP-1)/EP, the share routed to experts on other EP ranks under
+        balanced routing. 0 for a dense model or EP 1: no token leaves the rank."""
+        ep = self.parallel.ep
+        if not self.shape.experts or ep <= 1:
+            return 0.0
+        tokens = self._tokens(op) / self.parallel.sequence_split
+        per_token = self.shape.routed_copies * self.shape.hidden * self.shape.bytes_per_element
+        return tokens * per_token * (ep - 1) / ep
+
+    def expert_comm_time(self, op: Op) -> float:
+        """Seconds of ``op``'s expert all-to-alls: two per MoE layer of its stage for an F
+        (dispatch, combine) and for a B or BW (their gradients); 0 for W and the rest, whose
+        GEMMs move no tokens. With TP or CP > 1 this is one rank's share while the compute in
+        ``duration`` is the whole layer's, so the a2a looks smaller beside it than it is."""
+        if op.kind not in (OpKind.F, OpKind.B, OpKind.BW):
+            return 0.0
+        alltoalls = 2 * self._moe_layers[op.stage]
+        return alltoalls * self.expert_alltoall_bytes(op) / self.ep_bandwidth
 
     def _bytes(self, op: Op, per_layer: TokenBytes, per_moe_layer: TokenBytes, head: TokenBytes) -> float:
         activation = self.parallel.activation
