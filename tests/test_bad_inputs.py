@@ -39,7 +39,11 @@ CASES: list[tuple[str, str]] = [
     ("train --save-interval 5", "--save-interval"),
     ("train --pp-zb-costs 1,x", "--pp-zb-costs"),
     ("train --overlap-moe-expert-parallel-comm", "--overlap-moe-expert-parallel-comm"),
-    ("train --num-experts 4 --expert-model-parallel-size 2 --data-parallel-size 2 --overlap-moe-expert-parallel-comm", "--overlap-moe-expert-parallel-comm"),
+    (
+        "train --num-experts 4 --expert-model-parallel-size 2 --data-parallel-size 2 "
+        "--overlap-moe-expert-parallel-comm",
+        "--overlap-moe-expert-parallel-comm",
+    ),
     ("train --pp-timeline timeline.txt", "--pp-timeline"),
     ("train --use-pytorch-profiler", "--use-pytorch-profiler"),
     ("train --normalization LayerNorm", "--normalization"),

@@ -2,6 +2,15 @@
 
 Decided in the launching process, before any worker starts, so a bad flag fails in one line and
 every rank gets the same plan.
+
+``moe-tiny`` is ``tiny`` with mixture-of-experts layers (4 experts, top-2, megatron-core's
+alltoall token dispatcher, its load-balancing loss on), for expert parallelism: with
+``--expert-model-parallel-size`` E the bench runs p x E processes, E data-parallel pipelines
+whose experts are split over the E ranks of each stage. With ``--overlap-moe-expert-parallel-comm``
+each of our rows also runs paired (``schedule/pairing.py``: our overlapped F&B pairs, their
+all-to-alls on a communication thread on the host), beside the same schedule unpaired; against Megatron its
+interleaved 1F1B row also runs megatron-core's combined 1F1B (its interleaved schedule with
+``overlap_moe_expert_parallel_comm``), the counterpart of our paired interleaved 1F1B.
 """
 
 from __future__ import annotations
@@ -39,6 +48,26 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
             ffn_hidden_size=704,
             vocab_size=256,
             seq_length=128,
+        ),
+        "micro_batch_size": 2,
+    },
+    # tiny's mixture-of-experts twin (every layer MoE); --expert-model-parallel-size sets its EP
+    "moe-tiny": {
+        "model": dict(
+            num_layers=4,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            ffn_hidden_size=128,
+            vocab_size=256,
+            seq_length=32,
+            extra=dict(
+                num_moe_experts=4,
+                moe_router_topk=2,
+                moe_ffn_hidden_size=64,
+                moe_token_dispatcher_type="alltoall",
+                moe_aux_loss_coeff=1e-2,
+            ),
         ),
         "micro_batch_size": 2,
     },
@@ -81,12 +110,21 @@ class MegatronPair:
     # ``offload_modules``), tensors from ``min_offloaded_tensor_size`` bytes; () for none
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = 1024
+    # megatron-core's combined 1F1B: its interleaved schedule with overlap_moe_expert_parallel_comm
+    overlap: bool = False
 
 
 # Our schedule -> megatron-core's own; the others are timed against the faster of these two.
 MEGATRON_PAIRS: dict[str, MegatronPair] = {
     "1f1b": MegatronPair("forward_backward_pipelining_without_interleaving", 1, "1F1B"),
     "interleaved-1f1b": MegatronPair("forward_backward_pipelining_with_interleaving", 2, "interleaved 1F1B"),
+}
+# With --overlap-moe-expert-parallel-comm: Megatron's A2A-overlapped schedule beside this row's
+# (megatron-core runs combined 1F1B only interleaved when PP > 1).
+MEGATRON_COMBINED: dict[str, MegatronPair] = {
+    "interleaved-1f1b": MegatronPair(
+        "forward_backward_pipelining_with_interleaving", 2, "interleaved combined-1f1b", overlap=True
+    ),
 }
 
 
@@ -126,6 +164,10 @@ class Row:
     megatron: MegatronPair | None = None
     megatron_skip: str | None = None
     notes: list[str] = field(default_factory=list)
+    # --overlap-moe-expert-parallel-comm: ours paired, and Megatron's combined 1F1B where it has one
+    paired: Schedule | None = None
+    paired_skip: str | None = None
+    megatron_combined: MegatronPair | None = None
 
 
 @dataclass
@@ -149,14 +191,33 @@ class BenchSettings:
     # Megatron's fine-grained activation offloading (its --offload-modules) against our offload rows
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = 1024
+    ep: int = 1  # expert-parallel size: the world is pp x ep processes (data-parallel ep)
+    overlap: bool = False  # --overlap-moe-expert-parallel-comm: paired rows too
 
     @property
     def model(self) -> dict[str, Any]:
-        return MODEL_SIZES[self.model_size]["model"]
+        return model_fields(self.model_size, self.ep)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.ep
 
     @property
     def micro_batch_size(self) -> int:
         return MODEL_SIZES[self.model_size]["micro_batch_size"]
+
+
+def model_fields(model_size: str, ep: int = 1) -> dict[str, Any]:
+    """The ModelConfig fields of ``model_size``, a MoE model's experts split over ``ep`` ranks."""
+    fields = dict(MODEL_SIZES[model_size]["model"])
+    if "num_moe_experts" in fields.get("extra", {}):
+        fields["extra"] = {**fields["extra"], "expert_model_parallel_size": ep}
+    return fields
+
+
+def experts_of(model_size: str) -> int | None:
+    """The experts per MoE layer of ``model_size``; None for a dense model."""
+    return MODEL_SIZES[model_size]["model"].get("extra", {}).get("num_moe_experts")
 
 
 def known_names() -> list[str]:
@@ -186,17 +247,19 @@ def plan_row(
     against: str = "torch",
     slices: int = DEFAULT_SLICES,
     offload: str = "none",
+    overlap: bool = False,
 ) -> Row:
     """Decide what runs for ``name``: our schedule if it is registered and fits the model (the
     sequence-sliced family with ``slices`` slices), lowered with its messages in the order
     ``train`` gives them (a replay at the model's FLOP costs, ``schedule/run_costs.py``); the
     baseline's counterpart if there is one (torch's own constraints are checked on the ranks).
     ``offload``: our schedule with ``--pp-offload``'s copies (``auto`` is resolved on each rank,
-    from k measured on its device)."""
+    from k measured on its device). ``overlap``: also our schedule paired (:func:`paired_schedule`)
+    and, against Megatron, its combined 1F1B where it has one for ``name``."""
     from ..megatron.model import split_layers
     from ..megatron.model_config import ModelConfig
 
-    config = ModelConfig(**MODEL_SIZES[model_size]["model"])
+    config = ModelConfig(**model_fields(model_size))
     num_layers = config.num_layers
 
     row = Row(name=name, offload=offload)
@@ -228,10 +291,16 @@ def plan_row(
     except ValueError as error:
         row.ours_skip = f"{error} (--model-size)"
         return row
-    schedule = lower(schedule, run_costs(RunShape(config.shape(), config.seq_length), schedule))
+    costs = run_costs(RunShape(config.shape(), config.seq_length), schedule)
+    if overlap and offload == "none":
+        row.paired, row.paired_skip = paired_schedule(schedule, costs)
+        if row.megatron is not None:  # its layer split fits, so does the combined one's
+            row.megatron_combined = MEGATRON_COMBINED.get(name)
+    schedule = lower(schedule, costs)
     hang = check_nccl(schedule, strict=False, warmed=True)  # as the runtime runs it (docs/nccl.md)
     if hang is not None:
         row.ours_skip = f"would hang under NCCL: {hang.message()}"
+        row.paired, row.paired_skip = None, row.paired_skip or row.ours_skip
         return row
     if offload != "none":
         row.plain = schedule
@@ -253,6 +322,20 @@ def plan_row(
             f"torch v={pair.stages_per_rank} {pair.placement}"
         )
     return row
+
+
+def paired_schedule(schedule: Schedule, costs: Any) -> tuple[Schedule | None, str | None]:
+    """``schedule`` (unlowered) with its overlapped F&B pairs, lowered at ``costs``, as ``train
+    --overlap-moe-expert-parallel-comm`` pairs and lowers it (``megatron/hook.py``), or why not."""
+    from ..schedule.pairing import pair
+
+    if schedule.slices > 1:
+        return None, f"not paired: sequence slices ({schedule.slices}) do not run with pairs"
+    paired = lower(pair(schedule, costs), costs)
+    hang = check_nccl(paired, strict=False, warmed=True)
+    if hang is not None:
+        return None, f"paired, would hang under NCCL: {hang.message()}"
+    return paired, None
 
 
 def fine_grained(pair: MegatronPair, modules: tuple[str, ...], min_bytes: int) -> MegatronPair:

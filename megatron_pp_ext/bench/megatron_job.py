@@ -10,13 +10,31 @@ runtime's (the same ``GPTModel`` stages, weights copied from one reference) with
 * ``deallocate_pipeline_outputs=True``: as our runtime (and Megatron-LM's default with PP);
 * interleaving: the chunks are GPTModels built for one pipeline rank each, so the virtual size
   and ``microbatch_group_size_per_vp_stage`` (Megatron-LM's default, the pipeline size) are set
-  on the config the schedule reads.
+  on the config the schedule reads, and during the step in Megatron's parallel state, as
+  Megatron-LM initialises it (:func:`virtual_pipeline`): combined 1F1B finds the chunk whose
+  output goes to the loss there.
 
 On CPU ``megatron.cpu_shim.install_for_schedules`` keeps the schedules' token counter off CUDA.
 With ranks sharing a GPU (``--distributed-backend gloo``) Megatron's messages are staged through
 host memory (``megatron/gloo_on_gpu.py``), as our runtime stages its own. With ``pair.offload_modules`` the
 chunks are built with megatron-core's fine-grained activation offloading of those modules (CUDA and
 Transformer Engine only; ``bench`` checks both before it starts).
+
+With ``pair.overlap`` it is megatron-core's combined 1F1B: its interleaved schedule with
+``overlap_moe_expert_parallel_comm`` (``pipeline_parallel/combined_1f1b.py``), each F&B of the
+steady state one unit through the model's schedule plan, as our paired schedules run theirs. Two
+settings differ from Megatron-LM's: megatron-core's ``TransformerConfig`` asserts bf16 or fp16
+for that field at construction, so it is set after construction on every chunk's config: the
+bench's chunks are fp32 (the combined schedule and the plan's nodes read no dtype field; their
+one cast, the loss's ``float16_to_fp32``, leaves fp32 as it is); and on CPU
+``cpu_shim.install_for_schedule_plans`` gives the schedule and the plan host streams and events,
+where its communication nodes run in line, not beside the other microbatch's compute (its overlap
+needs CUDA streams; ours runs them on a thread), so on CPU its time shows the plan's cost, not
+its overlap.
+
+With expert parallelism the world holds several pipelines: the chunks are those of this rank's
+pipeline rank in Megatron's parallel state, whose pipeline group Megatron's schedules talk over.
+
 Activation bytes are what autograd saves during the step (``saved_tensors_hooks``, by storage,
 parameters excluded): the received input is saved by the chunk's first layer and outputs are
 freed once sent, so nothing else stays alive. Our runtime also counts the tensors it stashes
@@ -26,7 +44,9 @@ higher for the same memory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,14 +70,16 @@ class MegatronJob(ModuleJob):
         reference: torch.nn.Module,
         batches: list[dict[str, Tensor]],
         pp: int,
-        rank: int,
         micro_batch_size: int,
     ) -> None:
+        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import schedules
 
         from ..megatron import cpu_shim, gloo_on_gpu
 
         cpu_shim.install_for_schedules()  # nothing with CUDA
+        if pair.overlap:
+            cpu_shim.install_for_schedule_plans()
         if pair.offload_modules:  # read by the layers as they are built
             fields = dict(
                 fine_grained_activation_offloading=True,
@@ -67,6 +89,7 @@ class MegatronJob(ModuleJob):
             model = dataclasses.replace(model, extra={**model.extra, **fields})
         # Megatron's chunk c on rank r is stage c*p + r
         placement = Placement(pp, pp * pair.chunks, "interleaved")
+        rank = parallel_state.get_pipeline_model_parallel_rank()
         self.chunks, _ = build_chunks_from(reference, model, placement, rank)
         device = next(self.chunks[0].parameters()).device
         if device.type != "cpu" and dist.get_backend() == "gloo":  # ranks sharing a GPU
@@ -80,8 +103,12 @@ class MegatronJob(ModuleJob):
         if pair.chunks > 1:
             config.virtual_pipeline_model_parallel_size = pair.chunks
             config.microbatch_group_size_per_vp_stage = pp
+        if pair.overlap:  # after TransformerConfig's bf16/fp16 assertion: see the module docstring
+            for chunk in self.chunks:
+                chunk.config.overlap_moe_expert_parallel_comm = True
         self.function = getattr(schedules, pair.function)
         self.interleaved = pair.chunks > 1
+        self.chunks_per_rank = pair.chunks
         self.seq_length = model.seq_length
         self.micro_batch_size = micro_batch_size
         self.modules = list(self.chunks)
@@ -94,7 +121,7 @@ class MegatronJob(ModuleJob):
         iterators = [iter(self.batches) for _ in self.chunks]
         meter = ActivationMeter(enabled=measure)
         meter.exclude(self.params)
-        with meter.saving():
+        with meter.saving(), virtual_pipeline(self.chunks_per_rank if self.interleaved else None):
             reports = self.function(
                 forward_step_func=forward_step,
                 data_iterator=iterators if self.interleaved else iterators[0],
@@ -107,3 +134,19 @@ class MegatronJob(ModuleJob):
         if reports:
             loss = sum(microbatch_loss(item["lm loss"]) for item in reports) / len(reports)
         return loss, meter.peak
+
+
+@contextlib.contextmanager
+def virtual_pipeline(size: int | None) -> Iterator[None]:
+    """Megatron's parallel state with ``size`` model chunks per pipeline rank (None: without
+    interleaving), as Megatron-LM sets it, for one step: combined 1F1B computes the loss on
+    the pipeline's last rank only for the last chunk by it
+    (``forward_step_calc_loss``'s fallback); the other jobs run without it."""
+    from megatron.core import parallel_state
+
+    before = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(size)
+    try:
+        yield
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(before)

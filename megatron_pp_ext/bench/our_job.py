@@ -40,7 +40,10 @@ class ModuleJob:
 
 
 class OurJob(ModuleJob):
-    """One rank of one of our schedules, with the weights of ``reference``."""
+    """One rank of one of our schedules, with the weights of ``reference``: the chunks of
+    pipeline rank ``comm.rank`` (with expert parallelism the world holds several pipelines). A
+    schedule with overlapped pairs (``meta["pairs"]``) runs them; ``pairs`` is how many the last
+    step ran on this rank."""
 
     def __init__(
         self,
@@ -49,12 +52,11 @@ class OurJob(ModuleJob):
         reference: torch.nn.Module,
         batches: list[dict[str, Tensor]],
         comm: PipeComm,
-        rank: int,
         micro_batch_size: int,
         auto_offload: bool = False,
     ) -> None:
         self.chunks, _ = build_chunks_from(
-            reference, model, schedule.placement, rank, sliced=schedule.slices > 1
+            reference, model, schedule.placement, comm.rank, sliced=schedule.slices > 1
         )
         self.modules = list(self.chunks)
         device = next(self.chunks[0].parameters()).device
@@ -65,6 +67,7 @@ class OurJob(ModuleJob):
         self.schedule = schedule
         shape = (model.seq_length, micro_batch_size, model.hidden_size)
         self.runtime = PipelineRuntime(self.chunks, comm, shape, model.torch_dtype)
+        self.pairs = 0
 
     def step(self, measure: bool = True) -> tuple[float | None, int | None]:
         """One step; returns (mean microbatch loss on the loss rank else None, activation peak).
@@ -73,6 +76,7 @@ class OurJob(ModuleJob):
         self.runtime.measure_memory = measure
         iterators = [iter(self.batches) for _ in self.chunks]
         result = self.runtime.step(self.schedule, forward_step, iterators)
+        self.pairs = result.pairs
         loss = None
         if result.is_loss_rank:
             loss = sum(microbatch_loss(item["lm loss"]) for item in result.losses) / len(result.losses)

@@ -11,6 +11,19 @@ where the machine has one per rank. Every step's outcome is gathered on all rank
 Against Megatron, the rows after its two schedules' counterparts are timed against the faster of
 Megatron's two (by median step time in this run), and every row's first-step loss and gradient
 norm are checked against Megatron's: every schedule computes the same step.
+
+With expert parallelism (``settings.ep`` E > 1, a mixture-of-experts model) the world is p x E
+processes in Megatron's parallel state: E data-parallel pipelines (each its own PipeComm), each
+replica on its own share of the batch, the experts of a stage split over its E ranks. All
+replicas are timed together: an iteration is still the slowest rank's. The first-step loss is
+the mean of the replicas' and the gradient norm is over every rank's gradients as they are
+before any data-parallel reduction (the bench runs no optimizer), the same for every job.
+
+With overlapped pairs (``settings.overlap``) a row also times our schedule paired
+(``ours_paired``) in the same rounds, against Megatron's combined 1F1B where the row runs it
+(``megatron_combined``, itself checked against Megatron's plain schedule of the row), else
+against the row's Megatron schedule; ``paired_over_unpaired`` is the per-round ratio of ours
+paired to ours unpaired, and each rank's ``pairs`` the overlapped pairs its last step ran.
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ class Outcome:
     grad_sq: float = 0.0
     allocated: int | None = None  # allocator peak (GPU only)
     error: str | None = None
+    pairs: int | None = None  # overlapped pairs the step ran (our jobs only)
 
 
 @dataclass
@@ -60,6 +74,7 @@ class Context:
     model: ModelConfig
     reference: torch.nn.Module
     batches: list[dict[str, torch.Tensor]]
+    pipeline: list[int] | None = None  # this rank's pipeline, global ranks (None: the world)
     comm: Any = None  # our runtime's channels
     group: Any = None  # torch's schedules' process group
     megatron_medians: dict[str, float] | None = None  # Megatron's schedules' median step times
@@ -74,14 +89,16 @@ class Context:
         timeout = datetime.timedelta(seconds=self.settings.timeout)
         # None: the environment variable decides (as in the tests), else the flag
         emulate = self.settings.emulate_nccl or None
-        self.comm = PipeComm(timeout_s=self.settings.timeout, emulate_nccl=emulate)
+        self.comm = PipeComm(self.pipeline, timeout_s=self.settings.timeout, emulate_nccl=emulate)
         self.group = dist.new_group(timeout=timeout)
 
 
 def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings) -> None:
+    from megatron.core import parallel_state
     from tqdm import tqdm
 
     from .. import launch
+    from ..megatron import cpu_shim
     from ..megatron.model import build_reference, init_parallel_state, seed_like_megatron
 
     # The bookkeeping collectives wait longer than any transfer, so a rank whose peer failed
@@ -93,7 +110,8 @@ def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings)
     if device.type == "cpu":  # ranks compute on the cores: one thread and one core each
         torch.set_num_threads(1)
         pinned = pin_to_core(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    init_parallel_state(world_size)
+    init_parallel_state(settings.pp, ep_size=settings.ep)
+    cpu_shim.install()  # no-op with CUDA; on CPU before any MoE layer is built (its dispatcher)
     model = ModelConfig(**settings.model)
     seed_like_megatron(settings.seed)  # as train: Megatron-LM's stage seeds, the CUDA RNG tracker
     torch.manual_seed(settings.seed)  # one model on every rank
@@ -103,7 +121,8 @@ def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings)
         device,
         model,
         build_reference(model),
-        make_batches(model, settings),
+        make_batches(model, settings, parallel_state.get_data_parallel_rank()),
+        pipeline=dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()),
     )
     context.open_channels()
     rows = []
@@ -114,8 +133,9 @@ def worker(rank: int, world_size: int, local_rank: int, settings: BenchSettings)
         if result.pop("failed", False):
             context.open_channels()
         rows.append(result)
-        if rank == 0 and result.get("check"):
-            progress.write(check_line(result), file=sys.stderr if settings.quiet else sys.stdout)
+        if rank == 0:
+            for line in check_lines(result):
+                progress.write(line, file=sys.stderr if settings.quiet else sys.stdout)
     progress.close()
     pinned = all(gather_objects(pinned))
     if rank == 0:
@@ -137,12 +157,17 @@ def pin_to_core(local_rank: int, local_ranks: int) -> bool:
     return True
 
 
-def make_batches(model: ModelConfig, settings: BenchSettings) -> list[dict[str, torch.Tensor]]:
-    """The iteration's microbatches, the same on every rank and for every run."""
+def make_batches(
+    model: ModelConfig, settings: BenchSettings, data_rank: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """The iteration's microbatches of data-parallel replica ``data_rank`` (its share of one
+    stream), the same on every rank of its pipeline and for every run."""
     from .. import data
 
     tokens = data.encode(data.stdlib_corpus())
     stream = data.batches(tokens, model.seq_length, settings.micro_batch_size, settings.seed)
+    for _ in range(data_rank * settings.microbatches):
+        next(stream)
     return [next(stream) for _ in range(settings.microbatches)]
 
 
@@ -174,7 +199,8 @@ def build_jobs(
 
     s = context.settings
     builders = {}
-    for name, schedule in (("ours", row.ours), ("ours_plain", row.plain)):
+    ours = (("ours", row.ours), ("ours_paired", row.paired), ("ours_plain", row.plain))
+    for name, schedule in ours:
         if schedule is not None and (name == "ours" or row.ours is not None):
             builders[name] = functools.partial(
                 OurJob,
@@ -183,7 +209,6 @@ def build_jobs(
                 context.reference,
                 context.batches,
                 context.comm,
-                context.rank,
                 s.micro_batch_size,
                 auto_offload=name == "ours" and row.offload == "auto",
             )
@@ -200,7 +225,9 @@ def build_jobs(
             context.group,
         )
     plain_pair = MEGATRON_PAIRS_BY_FUNCTION.get(pair.function) if pair and pair.offload_modules else None
-    for name, megatron in (("megatron", pair), ("megatron_plain", plain_pair)):
+    combined = row.megatron_combined if pair is not None else None
+    megatrons = (("megatron", pair), ("megatron_combined", combined), ("megatron_plain", plain_pair))
+    for name, megatron in megatrons:
         if megatron is not None:
             builders[name] = functools.partial(
                 MegatronJob,
@@ -209,7 +236,6 @@ def build_jobs(
                 context.reference,
                 context.batches,
                 s.pp,
-                context.rank,
                 s.micro_batch_size,
             )
     jobs, skipped = {}, {}
@@ -241,6 +267,11 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
     for name in ("ours_plain", "megatron_plain"):  # an offload row's references
         if name in skipped:
             result[f"{name}_skip"] = skipped[name]
+    if s.overlap and row.offload == "none":
+        result["ours_paired_skip"] = skipped.get("ours_paired", row.paired_skip or result["ours_skip"])
+        if row.megatron_combined is not None:
+            result["megatron_combined_schedule"] = row.megatron_combined.label
+            result["megatron_combined_skip"] = skipped.get("megatron_combined")
     baseline = s.against
     if baseline == "megatron":
         result["megatron_schedule"] = pair.label if pair else None
@@ -271,9 +302,9 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
                 del jobs[name]
                 continue
             if iteration == 0:
-                losses = [o.loss for o in outcomes if o.loss is not None]
+                losses = [o.loss for o in outcomes if o.loss is not None]  # one per pipeline
                 first[name] = {
-                    "loss": losses[0] if losses else None,
+                    "loss": statistics.fmean(losses) if losses else None,
                     "grad_norm": math.sqrt(sum(o.grad_sq for o in outcomes)),
                 }
             if iteration in timed:
@@ -289,6 +320,8 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
             "first_loss": first[name]["loss"],
             "first_grad_norm": first[name]["grad_norm"],
         }
+        if name.startswith("ours"):
+            result[name]["pairs"] = [o.pairs for o in last[name]]
     if "torch" in jobs:
         result["torch"]["recv_buffer_bytes"] = gather_objects(jobs["torch"].live.buffer_bytes)
     if baseline == "megatron" and row.name in MEGATRON_PAIRS and row.offload == "none" and "megatron" in jobs:
@@ -306,7 +339,33 @@ def run_row(row: Row, context: Context) -> dict[str, Any]:
         result["ratio_iqr"] = [quartiles[0], quartiles[2]] if quartiles else None
         result[f"ours_over_{baseline}"] = spread(ratios)
         result["check"] = compare(first["ours"], first[baseline], baseline)
+    add_paired(result, baseline, jobs, times, first)
     return result
+
+
+def add_paired(
+    result: dict[str, Any],
+    baseline: str,
+    jobs: dict[str, Any],
+    times: dict[str, list[float]],
+    first: dict[str, dict[str, float | None]],
+) -> None:
+    """Ours paired against Megatron's combined 1F1B where it ran, else the row's baseline, and
+    against ours unpaired, round by round; Megatron's combined 1F1B against its plain schedule."""
+    if "megatron_combined" in jobs and baseline in jobs:
+        result["megatron_combined_over_megatron"] = spread(
+            ratios_of(times["megatron_combined"], times[baseline])
+        )
+        result["megatron_combined_check"] = compare(first["megatron_combined"], first[baseline], baseline)
+    if "ours_paired" not in jobs:
+        return
+    against = "megatron_combined" if "megatron_combined" in jobs else baseline
+    if against in jobs:
+        result["ours_paired_baseline"] = against
+        result["ours_paired_over_baseline"] = spread(ratios_of(times["ours_paired"], times[against]))
+        result["ours_paired_check"] = compare(first["ours_paired"], first[against], against)
+    if "ours" in jobs:
+        result["paired_over_unpaired"] = spread(ratios_of(times["ours_paired"], times["ours"]))
 
 
 def ratios_of(times: list[float], reference: list[float]) -> list[float]:
@@ -339,7 +398,7 @@ def timed_step(job: Any, device: torch.device, first: bool, measure: bool) -> Ou
         seconds = time.perf_counter() - start
         allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         grad_sq = job.grad_square_sum() if first else 0.0
-        return Outcome(seconds, loss, peak, grad_sq, allocated)
+        return Outcome(seconds, loss, peak, grad_sq, allocated, pairs=getattr(job, "pairs", None))
     except Exception as error:
         return Outcome(error=f"{type(error).__name__}: {error}"[:500])
 
@@ -378,12 +437,29 @@ def compare(
     return check
 
 
-def check_line(result: dict[str, Any]) -> str:
-    c = result["check"]
+def check_lines(result: dict[str, Any]) -> list[str]:
+    """One line per first-step check of the row: ours, ours paired, Megatron's combined 1F1B."""
+    labels = {
+        "megatron": f"Megatron's {result.get('megatron_schedule')}",
+        "megatron_combined": f"Megatron's {result.get('megatron_combined_schedule')}",
+        "torch": str(result.get("torch_class")),
+    }
+    checks = (
+        ("check", result["schedule"]),
+        ("ours_paired_check", f"{result['schedule']} paired"),
+        ("megatron_combined_check", labels["megatron_combined"]),
+    )
+    return [
+        check_line(result[key], name, labels[result[key]["baseline"]])
+        for key, name in checks
+        if result.get(key)
+    ]
+
+
+def check_line(c: dict[str, Any], name: str, against: str) -> str:
     baseline = c["baseline"]
-    against = f"Megatron's {result['megatron_schedule']}" if baseline == "megatron" else result["torch_class"]
     return (
-        f"check {result['schedule']} vs {against}: first-iteration loss "
+        f"check {name} vs {against}: first-iteration loss "
         f"{c['ours']['loss']:.6f} / {c[baseline]['loss']:.6f} (rel diff {c['loss_rel_diff']:.1e}), "
         f"grad norm {c['ours']['grad_norm']:.6f} / {c[baseline]['grad_norm']:.6f} "
         f"(rel diff {c['grad_norm_rel_diff']:.1e}): {'match' if c['match'] else 'MISMATCH'}"
@@ -397,6 +473,9 @@ def summary(
         "against": settings.against,
         "count_calls": settings.count_calls,
         "pp": settings.pp,
+        "ep": settings.ep,
+        "world": settings.world,
+        "overlap_moe_expert_parallel_comm": settings.overlap,
         "microbatches": settings.microbatches,
         "iterations": settings.iterations,
         "warmup": settings.warmup,

@@ -8,6 +8,11 @@ schedule (``--against megatron``: Megatron's 1F1B and interleaved 1F1B, and ever
 of ours against the faster of those two), and the peak activation bytes per rank. A benchmark,
 not a test: it prints numbers; it asserts nothing but that ours and the baseline agree on the
 first iteration's loss and gradient norm (printed as a check line).
+
+Expert parallelism (``--model-size moe-tiny --expert-model-parallel-size E``, against Megatron):
+p x E processes, E data-parallel pipelines timed together. ``--overlap-moe-expert-parallel-comm``
+without ``--emulate``: every schedule of ours also runs paired (our overlapped F&B pairs), beside
+itself unpaired, and Megatron's interleaved 1F1B row also runs its combined 1F1B (bench/job.py).
 """
 
 from __future__ import annotations
@@ -63,7 +68,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_SLICES,
         help=f"sequence slices per microbatch for Seq1F1B and SlimPipe, default {DEFAULT_SLICES}",
     )
-    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny", help="default tiny")
+    parser.add_argument(
+        "--model-size",
+        choices=sorted(MODEL_SIZES),
+        default="tiny",
+        help="default tiny; moe-tiny: tiny with 4 experts per layer, top-2, the alltoall dispatcher",
+    )
+    parser.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="Megatron's flag: ranks each stage's experts are split over (with --model-size moe-tiny "
+        "and --against megatron): --pp x this many processes, as many data-parallel pipelines",
+    )
     parser.add_argument("--seed", type=int, default=1234, help="weights and data seed")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck transfer fails")
     parser.add_argument(
@@ -168,6 +185,7 @@ def check(args: argparse.Namespace) -> None:
         flag = "--pp-offload" if modes != ["none"] else "--distributed-backend"
         raise UsageError(flag, "emulated compute copies nothing and runs on no device: drop it")
     check_fine_grained(args, modes)
+    check_experts(args, modes)
 
 
 def offload_modes(text: str) -> list[str]:
@@ -226,8 +244,44 @@ def check_fine_grained(args: argparse.Namespace, modes: list[str]) -> None:
         )
 
 
+def check_experts(args: argparse.Namespace, modes: list[str]) -> None:
+    """Expert parallelism and overlapped pairs on the bench's real model, each refused in one
+    line naming the flag (``--emulate`` checks its own pairs)."""
+    from ..bench.job import experts_of
+
+    pairs_flag, ep_flag = "--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size"
+    ep, experts = args.expert_model_parallel_size, experts_of(args.model_size)
+    if ep < 1:
+        raise UsageError(ep_flag, f"must be at least 1, got {ep}")
+    if emulating(args):
+        if ep > 1:
+            raise UsageError(ep_flag, "emulated compute runs no model: drop it")
+        return
+    pairs = args.overlap_moe_expert_parallel_comm
+    if experts is None:
+        if ep > 1 or pairs:
+            raise UsageError(
+                ep_flag if ep > 1 else pairs_flag,
+                f"the {args.model_size} model has no experts: use --model-size moe-tiny"
+                + ("" if ep > 1 else " --expert-model-parallel-size 2 (or --emulate F,B,W)"),
+            )
+        return
+    if args.against != "megatron":
+        raise UsageError(
+            "--model-size", f"{args.model_size} runs against Megatron only: add --against megatron"
+        )
+    if experts % ep:
+        raise UsageError(ep_flag, f"{ep} must divide the {experts} experts of {args.model_size}")
+    if pairs and ep < 2:
+        raise UsageError(pairs_flag, f"needs {ep_flag} 2 or more: with EP 1 there is no all-to-all to hide")
+    if pairs and modes != ["none"]:
+        raise UsageError(pairs_flag, "our pairs do not run with activation offload: drop --pp-offload")
+
+
 def emulating(args: argparse.Namespace) -> bool:
-    return args.emulate is not None or args.emulate_skew is not None
+    """Any of the emulation's flags (run_emulate refuses those given without --emulate).
+    ``--overlap-moe-expert-parallel-comm`` alone pairs the real model's schedules (check_experts)."""
+    return args.emulate is not None or args.emulate_skew is not None or args.pp_expert_comm is not None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -240,8 +294,11 @@ def run(args: argparse.Namespace) -> int:
     if emulating(args):
         return run_emulated(args)
     names = ordered_names(selected(args.schedules, args.against), args.against)
+    overlap = args.overlap_moe_expert_parallel_comm
     rows = [
-        plan_row(name, args.pp, args.microbatches, args.model_size, args.against, args.pp_seq_slices, mode)
+        plan_row(
+            name, args.pp, args.microbatches, args.model_size, args.against, args.pp_seq_slices, mode, overlap
+        )
         for name in names
         for mode in offload_modes(args.pp_offload)
     ]
@@ -249,8 +306,9 @@ def run(args: argparse.Namespace) -> int:
         # Megatron-LM asks for it with TE >= 2.10, "to avoid offloading weights"
         os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "1")
     world = launcher_world()
-    if world is not None and world[1] != args.pp:
-        raise UsageError("--pp", f"the launcher started {world[1]} processes for --pp {args.pp}")
+    processes = args.pp * args.expert_model_parallel_size
+    if world is not None and world[1] != processes:
+        raise UsageError("--pp", f"the launcher started {world[1]} processes for {processes} (--pp x EP)")
     settings = BenchSettings(
         pp=args.pp,
         microbatches=args.microbatches,
@@ -268,11 +326,12 @@ def run(args: argparse.Namespace) -> int:
         distributed_backend=args.distributed_backend,
         offload_modules=tuple(args.offload_modules) if args.fine_grained_activation_offloading else (),
         min_offloaded_tensor_size=args.min_offloaded_tensor_size,
+        ep=args.expert_model_parallel_size,
+        overlap=overlap,
     )
+    settings_for = lambda path: dataclasses.replace(settings, output=path)
     try:  # more ranks than GPUs under NCCL: refused before any starts (check_gpus)
-        text = launch.run_for_results(
-            worker, args.pp, lambda path: dataclasses.replace(settings, output=path), args.distributed_backend
-        )
+        text = launch.run_for_results(worker, processes, settings_for, args.distributed_backend)
     except launch.LaunchError as error:
         raise UsageError("--pp", str(error)) from None
     if not text:  # another rank's process under torchrun/srun: rank 0 reports

@@ -40,11 +40,15 @@ A sixth, for overlapped pairs (``runtime/expert_overlap.py``), which run megatro
 fine-grained schedule plan (combined 1F1B's per-layer nodes): its nodes take CUDA streams and
 events (``pipeline_parallel/utils.py``, ``models/common/model_chunk_schedule_plan.py``,
 ``models/gpt/fine_grained_callables.py``), mark NVTX ranges, and call ``Tensor.record_stream``
-on their inputs and gradients. :func:`install_for_schedule_plans` gives those three modules a
-view of ``torch`` whose ``cuda`` has host streams and events (no-ops: host work is in order) and
-no-op NVTX ranges, and makes ``record_stream`` a no-op for host tensors (a CPU-only torch has no
-other kind, and there the call always raised). The overlap itself comes from our communication
-thread, not from these streams.
+on their inputs and gradients. Megatron's own combined 1F1B (``pipeline_parallel/combined_1f1b.py``,
+its interleaved schedule with ``overlap_moe_expert_parallel_comm``, which ``bench --against
+megatron`` runs) also puts its loss node on ``torch.cuda.current_stream()``.
+:func:`install_for_schedule_plans` (part of :func:`install`: the runtime, below the adapter,
+cannot call it) gives those four modules a view of ``torch`` whose ``cuda``
+has host streams and events (no-ops: host work is in order) and no-op NVTX ranges, and makes
+``record_stream`` a no-op for host tensors (a CPU-only torch has no other kind, and there the
+call always raised). The overlap itself comes from our communication thread, not from these
+streams: on the host megatron-core's combined 1F1B runs its nodes one after the other.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ def install() -> bool:
         megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         _install_host_streams_for_alltoall()
         _installed = True
+        install_for_schedule_plans()
     return True
 
 
@@ -150,7 +155,7 @@ def install_for_schedule_plans() -> bool:
     if not _plans_installed:
         from megatron.core.models.common import model_chunk_schedule_plan
         from megatron.core.models.gpt import fine_grained_callables
-        from megatron.core.pipeline_parallel import utils
+        from megatron.core.pipeline_parallel import combined_1f1b, utils
 
         nvtx = types.SimpleNamespace(
             range_push=lambda *args, **kwargs: None,
@@ -166,7 +171,7 @@ def install_for_schedule_plans() -> bool:
             nvtx=nvtx,
         )
         view = module_view(torch, cuda=cuda)
-        for module in (utils, model_chunk_schedule_plan, fine_grained_callables):
+        for module in (utils, model_chunk_schedule_plan, fine_grained_callables, combined_1f1b):
             module.torch = view  # type: ignore[attr-defined]
         record_stream = torch.Tensor.record_stream
 

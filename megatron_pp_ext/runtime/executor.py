@@ -250,11 +250,7 @@ class PipelineRuntime:
 
     def lane(self) -> CommLane:
         """Where overlapped pairs run their communication nodes (a thread of its own on the host)."""
-        if self._lane is None:
-            if self.device.type != "cuda":
-                from ..megatron import cpu_shim
-
-                cpu_shim.install_for_schedule_plans()
+        if self._lane is None:  # on the host the plan needs the adapter's cpu_shim.install()
             self._lane = CommLane(on_host=self.device.type != "cuda")
         return self._lane
 
@@ -299,7 +295,7 @@ class PipelineRuntime:
         lengths = self._slice_lengths(schedule, tensor_shape, slice_lengths)
         if schedule.slices > 1:
             check_sliced_moe(self.config, schedule)
-        paired = bool(schedule.meta.get("pairs")) and not forward_only
+        paired = any(schedule.meta.get("pairs") or []) and not forward_only  # a pair on any rank
         if paired:
             check_pairing(self.config, schedule, self.chunks, forward_step_func)
         # SlimPipe's plan for the schedule as run (collective the first time), and the message
