@@ -351,11 +351,16 @@ def test_the_features_of_a_step_in_the_order_its_end_needs() -> None:
 # ---- the loop that calls them ---------------------------------------------------------------------
 
 
-def _step_run(events: list[str], ops: list[Op], fail_at: int | None = None) -> _StepRun:
+def _step_run(
+    events: list[str], ops: list[Op], fail_at: int | None = None, pair_starts: set[int] | None = None
+) -> _StepRun:
     run = object.__new__(_StepRun)
     run.rt = SimpleNamespace(rank=0, comm=SimpleNamespace(reap=lambda: events.append("reap")))
     run.schedule = SimpleNamespace(ranks=[ops])
     run.op_count = {}
+    run.step = SimpleNamespace(paired=pair_starts is not None)
+    run._pair_starts = lambda: pair_starts  # type: ignore[method-assign]
+    run._pair = lambda first, second: events.append(f"pair {first} {second}")  # type: ignore[method-assign]
 
     def dispatch(op: Op) -> None:
         if fail_at is not None and op == ops[fail_at]:
@@ -385,6 +390,34 @@ class Traced(StepFeature):
 
     def finish(self) -> None:
         self.events.append(f"{self.name}.finish")
+
+
+def test_an_overlapped_pair_runs_as_one_unit_between_both_ops_features() -> None:
+    """The features see both ops of a pair before it runs and both after: the gate, the
+    parameter gather of a chunk's first forward and the gradient sync keep their places."""
+    events: list[str] = []
+    ops = [Op(F, 0, 0), Op(F, 0, 1), Op(BW, 0, 0), Op(BW, 0, 1)]
+    run = _step_run(events, ops, pair_starts={1})
+    run.execute([Traced("a", events)])
+    assert events == [
+        "a.begin",
+        "a.before 0",
+        "run F0:0",
+        "a.after 0",
+        "reap",
+        "a.before 1",
+        "a.before 2",
+        "pair F0:1 BW0:0",
+        "a.after 1",
+        "a.after 2",
+        "reap",
+        "a.before 3",
+        "run BW0:1",
+        "a.after 3",
+        "reap",
+        "a.finish",
+    ]
+    assert run.op_count == {"F": 2, "BW": 2}
 
 
 def test_execute_calls_before_in_order_and_after_in_reverse() -> None:
