@@ -71,8 +71,22 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
                 pass
 
 
+PORT_TAKEN = "EADDRINUSE"  # the store's port, free when picked, taken before rank 0 listened
+LAUNCH_ATTEMPTS = 3
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+    A launch whose store port another process took between :func:`free_port` and rank 0's listen
+    (the other test worker) ran nothing: it is started again on a fresh port."""
+    for _ in range(LAUNCH_ATTEMPTS - 1):
+        results = _launch(fn, world_size, args, timeout)
+        if not any(isinstance(r, RankFailure) and PORT_TAKEN in r.error for r in results):
+            return results
+    return _launch(fn, world_size, args, timeout)
+
+
+def _launch(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any]:
     context = warm_context()
     results = context.Queue()
     port = free_port()
@@ -92,6 +106,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             try:
                 rank, value = results.get(timeout=min(remaining, 1.0))
                 collected[rank] = value
+                if isinstance(value, RankFailure) and PORT_TAKEN in value.error:
+                    break  # the others wait for a store that never listens: start again
             except queue.Empty:
                 if all(not p.is_alive() for p in processes) and results.empty():
                     break
