@@ -51,26 +51,6 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
         ),
         "micro_batch_size": 2,
     },
-    # tiny's mixture-of-experts twin (every layer MoE); --expert-model-parallel-size sets its EP
-    "moe-tiny": {
-        "model": dict(
-            num_layers=4,
-            hidden_size=64,
-            num_attention_heads=4,
-            num_kv_heads=2,
-            ffn_hidden_size=128,
-            vocab_size=256,
-            seq_length=32,
-            extra=dict(
-                num_moe_experts=4,
-                moe_router_topk=2,
-                moe_ffn_hidden_size=64,
-                moe_token_dispatcher_type="alltoall",
-                moe_aux_loss_coeff=1e-2,
-            ),
-        ),
-        "micro_batch_size": 2,
-    },
     # for a GPU (the `bench` phase of scripts/gpu_validate.sh): activations large enough that
     # offload copies and step times mean something; too slow for the CPU machine
     "medium": {
@@ -85,6 +65,18 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
         ),
         "micro_batch_size": 1,
     },
+}
+# tiny's mixture-of-experts twin (every layer MoE); --expert-model-parallel-size sets its EP
+MOE_TINY_EXPERTS = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=64,
+    moe_token_dispatcher_type="alltoall",
+    moe_aux_loss_coeff=1e-2,
+)
+MODEL_SIZES["moe-tiny"] = {
+    "model": {**MODEL_SIZES["tiny"]["model"], "extra": MOE_TINY_EXPERTS},
+    "micro_batch_size": MODEL_SIZES["tiny"]["micro_batch_size"],
 }
 
 

@@ -118,7 +118,7 @@ def plot_timeline(
     from matplotlib.patches import Patch
 
     schedule = result.schedule
-    pp, chunks = schedule.pp, schedule.vpp
+    pp = schedule.pp
     scale, xlabel = _time_scale(result, time_unit)
     makespan = result.makespan * scale or 1.0
 
@@ -169,24 +169,10 @@ def plot_timeline(
     mem_axes[-1].set_xlabel(xlabel, fontsize=9)
     first_axis.set_xlim(0, makespan)
 
-    kinds = [kind for kind in KIND_COLOURS if any(e.op.kind == kind for e in result.events + result.copies)]
-    handles = [Patch(color=KIND_COLOURS[kind], label=LEGEND_NAMES.get(kind, kind.value)) for kind in kinds]
+    extra = [Patch(color="#f0ad4e", alpha=0.6, label="activation memory (M)")]
     if result.collectives:
-        handles.append(Patch(color=COLLECTIVE_COLOURS[OpKind.REDUCE_S], label="collectives (top strip)"))
-    if chunks > 1:
-        shades = [_shade(KIND_COLOURS[OpKind.F], c, chunks) for c in (0, chunks - 1)]
-        handles.append(
-            Patch(facecolor=shades[1], edgecolor=shades[0], label=f"lighter: later chunk (v={chunks})")
-        )
-    handles.append(Patch(color="#f0ad4e", alpha=0.6, label="activation memory (M)"))
-    fig.legend(
-        handles=handles,
-        loc="upper right",
-        ncol=len(handles),
-        fontsize=8,
-        frameon=False,
-        bbox_to_anchor=(RIGHT, 1 - 0.32 / height_in),
-    )
+        extra.insert(0, Patch(color=COLLECTIVE_COLOURS[OpKind.REDUCE_S], label="collectives (top strip)"))
+    _legend(fig, [result], height_in, extra)
     fig.suptitle(_title(result), x=LEFT, y=1 - 0.12 / height_in, ha="left", va="top", fontsize=10)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
@@ -251,7 +237,8 @@ def _draw_ops(op_axes: list[Any], result: SimResult, scale: float, makespan: flo
             axis.spines[side].set_visible(False)
 
 
-def _legend(fig: Any, results: list[SimResult], height_in: float) -> None:
+def _legend(fig: Any, results: list[SimResult], height_in: float, extra: list[Any] = ()) -> None:
+    """The kinds drawn, the chunk shading, then ``extra`` handles, in one row at the top right."""
     from matplotlib.patches import Patch
 
     present = [e.op.kind for result in results for e in result.events + result.copies]
@@ -263,6 +250,7 @@ def _legend(fig: Any, results: list[SimResult], height_in: float) -> None:
         handles.append(
             Patch(facecolor=shades[1], edgecolor=shades[0], label=f"lighter: later chunk (v={chunks})")
         )
+    handles += list(extra)
     fig.legend(
         handles=handles,
         loc="upper right",
