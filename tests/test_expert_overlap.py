@@ -166,3 +166,40 @@ def test_paired_schedule_under_nccl_rules_equals_megatron_s_own(name: str) -> No
     for rank, row in enumerate(rows):
         assert not row["missing"], f"rank {rank}: no gradient for {row['missing']}"
         check_worst(row["grad_errors"], limit, f"rank {rank} under NCCL's rules: gradient of")
+
+
+class _SlowNode:
+    """A communication node whose peer never joins: its forward blocks until released."""
+
+    name = "moe_dispatch"
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+
+    def forward(self, value: int) -> int:
+        self.release.wait(10)
+        return value
+
+
+def test_a_node_whose_all_to_all_never_completes_fails_the_op_naming_it() -> None:
+    from megatron_pp_ext.megatron import cpu_shim
+    from megatron_pp_ext.runtime.expert_overlap import CommLane
+
+    cpu_shim.install()
+    lane = CommLane(on_host=True, timeout_s=0.2)
+    node = _SlowNode()
+    try:
+        future = lane.run(node.forward, 7)
+        with pytest.raises(
+            TimeoutError, match=r"moe_dispatch node did not complete within 0.2 s \(--pp-p2p-timeout\)"
+        ):
+            lane.result(future, node.forward)
+        assert lane.nodes == 1
+    finally:
+        node.release.set()
+        lane.close()
+    quick = _SlowNode()
+    quick.release.set()
+    assert lane.result(CommLane(on_host=True).run(quick.forward, 3), quick.forward) == 3

@@ -251,7 +251,7 @@ class PipelineRuntime:
     def lane(self) -> CommLane:
         """Where overlapped pairs run their communication nodes (a thread of its own on the host)."""
         if self._lane is None:  # on the host the plan needs the adapter's cpu_shim.install()
-            self._lane = CommLane(on_host=self.device.type != "cuda")
+            self._lane = CommLane(on_host=self.device.type != "cuda", timeout_s=self.comm.timeout_s)
         return self._lane
 
     # ------------------------------------------------------------------------------------------

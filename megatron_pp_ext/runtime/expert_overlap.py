@@ -36,6 +36,7 @@ import inspect
 import itertools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the flag checks run before torch is imported (train's early checks)
@@ -48,13 +49,14 @@ class CommLane:
     """Where a plan's communication nodes run: a thread of its own on the host, in place on a
     GPU (megatron-core's node puts its work on the communication stream)."""
 
-    def __init__(self, on_host: bool) -> None:
+    def __init__(self, on_host: bool, timeout_s: float = 300.0) -> None:
         from megatron.core.pipeline_parallel.utils import set_streams
 
         set_streams()  # megatron-core's computation and communication streams (the host's: no-ops)
         self._thread = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="pp-expert-comm") if on_host else None
         )
+        self.timeout_s = timeout_s  # how long the main thread waits for a node (--pp-p2p-timeout)
         self.nodes = 0  # communication nodes run (dispatch and combine, forward and backward)
 
     def run(self, node: Any, value: Any) -> Future:
@@ -70,9 +72,22 @@ class CommLane:
             return done
         return self._thread.submit(node, value)
 
+    def result(self, future: Future, node: Any) -> Any:
+        """The node's output, waited for at most ``timeout_s``: a peer of the expert group that
+        never joins its all-to-all fails the op, naming the node, not a silent hang."""
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            name = getattr(getattr(node, "__self__", None), "name", "communication node")
+            raise TimeoutError(
+                f"the expert all-to-all of megatron-core's {name} node did not complete within "
+                f"{self.timeout_s:g} s (--pp-p2p-timeout): a rank of the expert-parallel group "
+                "did not join it"
+            ) from None
+
     def close(self) -> None:
         if self._thread is not None:
-            self._thread.shutdown(wait=True)
+            self._thread.shutdown(wait=False)
 
 
 def _is_noop(bound: Callable[..., Any]) -> bool:
@@ -112,15 +127,15 @@ def _run_layers(f: Any, b: Any, value: Any, grad: Any, lane: CommLane) -> tuple[
         with f.get_fp8_context():
             value = lane.run(f.moe_dispatch.forward, f.attn.forward(value))
     if b is not None:
-        grad = lane.run(b.moe_dispatch.backward, b.mlp.backward(grad.result()))
+        grad = lane.run(b.moe_dispatch.backward, b.mlp.backward(lane.result(grad, b.moe_combine.backward)))
     if f is not None:
         with f.get_fp8_context():
-            value = lane.run(f.moe_combine.forward, f.mlp.forward(value.result()))
+            value = lane.run(f.moe_combine.forward, f.mlp.forward(lane.result(value, f.moe_dispatch.forward)))
     if b is not None:
-        grad = b.attn.backward(grad.result())
+        grad = b.attn.backward(lane.result(grad, b.moe_dispatch.backward))
     if f is not None:
         with f.get_fp8_context():
-            value = f.mtp_post_process.forward(value.result())
+            value = f.mtp_post_process.forward(lane.result(value, f.moe_combine.forward))
     return value, grad
 
 
