@@ -34,6 +34,48 @@ offload bytes, FLOPs for MFU) and computes durations itself, per layer and slice
 * Transformer Engine's ``--tp-comm-overlap``: each SP all-gather or reduce-scatter runs in chunks
   beside the GEMM it feeds or drains, so only what the GEMMs cannot cover is exposed.
 
+Mixture-of-experts layers (``ModelShape.experts``; which layers, ``moe_layer_freq``, as
+``memory_model.stage_moe_layers`` counts them per stage) take, on one rank (b sequences, slice of
+s tokens, n = b s / c tokens on a CP rank, n_own = n / t of them this rank's own under sequence
+parallelism, k = ``routed_copies`` (top-k, or what a capacity factor keeps), E experts, f_e and
+f_s the routed and shared experts' widths, EP and ETP the expert sizes of ``Layout``):
+
+* attention as a dense layer's (its GEMMs over n tokens, flash attention, CP gathers, and its two
+  SP collectives per F and per B, one per W);
+* the router: an (n_own x h) @ (h x E) GEMM on the rank's own tokens, weights replicated;
+* the shared expert (f_s > 0) as a dense MLP of width f_s under TP, with its two SP collectives;
+* the routed experts, megatron-core's grouped GEMM (``--moe-grouped-gemm``) over the rank's E/EP
+  local experts, each cut over ETP ranks. Under balanced routing each token's k copies go to
+  experts uniformly, so each expert receives k/E of the copies of every token that the EP x ETP
+  ranks holding one replica of all E experts route: an EP group's all-to-all brings a local
+  expert k/E of the n_own tokens of each of the EP ranks, and the expert-TP all-gather (ETP > 1)
+  those of the ETP ranks, so per local expert and rank m_e = n_own x k x EP x ETP / E tokens
+  (the GEMMs (m_e x h) @ (h x f_e/ETP) and back). Per rank that is n_own x k x ETP copies at
+  1/ETP of an expert's width: k experts' FLOPs per own token, as ``FlopCosts`` counts them
+  (``PlanCosts.flops`` is FlopCosts'). Each expert's GEMM is at ``Kernels.gemm``'s roofline, so a
+  small m_e is bound by reading the expert's weights; one launch per grouped GEMM. Not modelled:
+  grouped-GEMM efficiency at small per-expert batches (tile and wave quantisation below the
+  roofline), unbalanced routing;
+* the expert-TP all-gather of the dispatched copies and its reduce-scatter (ETP > 1, megatron-
+  core's alltoall dispatcher: ``gather_from_sequence_parallel_region`` over the expert-TP group),
+  a buffer of n_own x k x ETP copies of h, in F and again (their gradients) in B;
+* the expert all-to-alls (``expert_comm_time``): F dispatches and combines, B (or BW) runs their
+  two backward all-to-alls; each moves, per rank, n_own x k x h x 2 bytes x (EP-1)/EP (the copies
+  whose expert is on another EP rank; ``FlopCosts.expert_alltoall_bytes``) at the NVLink
+  bandwidth when the EP group is inside one node (``Layout.ep_intra``), else at the InfiniBand
+  one (every rank then sends most of its copies off the node), plus one collective latency.
+  They are in the op's duration, so an overlapped F&B pair (``schedule/pairing.py``) hides them
+  behind its partner's compute. Full recomputation reruns a recomputed MoE layer's F, all-to-alls
+  included, inside its B;
+* bandwidth-bound kernels: a dense layer's norms and residual traffic, the attention and shared
+  expert's activations, and per routed copy on the rank its f_e/ETP-wide activations and the
+  permute and unpermute (reading and writing h each), four more launches in F (softmax, top-k,
+  permute, unpermute), eight in B.
+
+Not modelled for MoE: DeepSeek-V3's node-limited routing, FP8 dispatch, the router's auxiliary
+losses, the dispatcher's token-count exchange, the NVLink share of an all-to-all whose EP group
+spans nodes.
+
 Pipeline messages take the link between neighbouring pipeline ranks; activation copies the GPU's
 PCIe link.
 """
@@ -45,7 +87,7 @@ from dataclasses import dataclass
 
 from ..schedule.flops import FlopCosts, head_activation_parts, layer_activation_parts
 from ..schedule.ir import Op, OpKind, Schedule
-from ..schedule.memory_model import padded_vocab
+from ..schedule.memory_model import padded_vocab, stage_moe_layers
 from ..schedule.models import ModelShape
 from ..schedule.partition import DEFAULT_UNIT, causal_pairs, slice_lengths
 from .devices import DeviceProfile
@@ -59,6 +101,8 @@ UNFUSED_BACKWARD_BYTES = 26
 UNFUSED_KEPT_BYTES = 5
 FORWARD_KERNELS = 10  # bandwidth-bound launches per layer besides GEMMs and attention
 BACKWARD_KERNELS = 20
+MOE_FORWARD_KERNELS = 4  # router softmax, top-k, permute, unpermute (besides a dense layer's)
+MOE_BACKWARD_KERNELS = 8
 
 
 @dataclass(frozen=True)
@@ -123,10 +167,13 @@ class PlanCosts:
         self.lengths = lengths
         self.ends = [sum(lengths[: j + 1]) for j in range(len(lengths))]
         self.layers = self.base.layers_per_stage
+        self.moe_layers = stage_moe_layers(shape, self.layers)  # MoE layers of each virtual stage
         self.num_stages = schedule.num_stages
         self.microbatch_activation = self.base.microbatch_activation
         self.ranks_per_host = 1
         self._layer = [self._layer_times(j) for j in range(len(lengths))]
+        self._alltoall = [self._alltoall_seconds(j) for j in range(len(lengths))]
+        self._moe = [self._moe_layer_times(j) for j in range(len(lengths))] if shape.experts else []
         self._head = [self._head_times(j) for j in range(len(lengths))]
         self._vocab = [self._vocab_times(j) for j in range(len(lengths))]
         self._activation: dict[tuple[int, int], float] = {}
@@ -155,26 +202,13 @@ class PlanCosts:
             + k.gemm(n, (s.ffn_matrices - 1) * s.ffn / t, s.hidden, e)
             + k.gemm(n, s.hidden, s.ffn / t, e)
         )
-        pairs = causal_pairs(self.lengths[j], self.ends[j]) * self.micro_batch_size / self.layout.cp
-        attention_flops = s.attention_flops_per_pair() * pairs / t
-        keys = self.ends[j] - self.lengths[j] / 2
-        if self.attention == "unfused":
-            scores = self._scores(j)
-            every_pair = (4 * s.head_dim + 3) * scores  # attention_flops_per_pair() per head
-            attention_f = every_pair / k.gemm_flops + k.memory(UNFUSED_FORWARD_BYTES * scores)
-            attention_b = 2 * every_pair / k.gemm_flops + k.memory(UNFUSED_BACKWARD_BYTES * scores)
-        else:
-            attention_f = k.attention(attention_flops, keys)
-            attention_b = k.attention(2 * attention_flops, keys, backward=True)
+        attention_f, attention_b = self._attention_times(j)
         sp_split = t if self.layout.parallel.sp else 1
         activation_elements = (3 if s.gated else 2) * s.ffn + 2 * (s.q_width + s.kv_width)
         elementwise = k.memory(e * n * (10 * s.hidden / sp_split + activation_elements / t))
         overhead = self.profile.kernel_overhead
         tp = self._tp_collective(j)
-        cp = 0.0
-        if self.layout.cp > 1:
-            gathered = self.micro_batch_size * self.lengths[j] * 2 * s.kv_width / t * e
-            cp = k.collective(gathered, self.layout.cp, self.layout.cp_intra)
+        cp = self._cp_collective(j)
         if not self.layout.parallel.sp:
             weight_tp = 0.0  # without SP every rank keeps the whole layer input for W
         else:
@@ -192,6 +226,143 @@ class PlanCosts:
         fused = 2 * gemm + backward_common + fused_tp
         recompute = {"none": 0.0, "selective": attention_f, "full": forward}[self.recompute]
         return LayerTimes(forward, backward, weight, fused, recompute)
+
+    def _attention_times(self, j: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer's core attention of slice j on one rank."""
+        s, t, k = self.shape, self.layout.tp, self.kernels
+        pairs = causal_pairs(self.lengths[j], self.ends[j]) * self.micro_batch_size / self.layout.cp
+        attention_flops = s.attention_flops_per_pair() * pairs / t
+        keys = self.ends[j] - self.lengths[j] / 2
+        if self.attention == "unfused":
+            scores = self._scores(j)
+            every_pair = (4 * s.head_dim + 3) * scores  # attention_flops_per_pair() per head
+            attention_f = every_pair / k.gemm_flops + k.memory(UNFUSED_FORWARD_BYTES * scores)
+            attention_b = 2 * every_pair / k.gemm_flops + k.memory(UNFUSED_BACKWARD_BYTES * scores)
+        else:
+            attention_f = k.attention(attention_flops, keys)
+            attention_b = k.attention(2 * attention_flops, keys, backward=True)
+        return attention_f, attention_b
+
+    def _cp_collective(self, j: int) -> float:
+        """The plugin's CP all-gather of slice j's K/V (F), or its gradient's reduce-scatter (B)."""
+        if self.layout.cp == 1:
+            return 0.0
+        s = self.shape
+        gathered = self.micro_batch_size * self.lengths[j] * 2 * s.kv_width / self.layout.tp
+        return self.kernels.collective(gathered * s.bytes_per_element, self.layout.cp, self.layout.cp_intra)
+
+    # ---- mixture of experts (module docstring) -------------------------------------------------
+
+    def _own_tokens(self, j: int) -> float:
+        """n_own: tokens of slice j this rank routes (its sequence shard under SP, / CP)."""
+        return self.micro_batch_size * self.lengths[j] / self.layout.parallel.sequence_split
+
+    def tokens_per_expert(self, j: int = 0) -> float:
+        """m_e: tokens each of this rank's local experts computes for slice j, n_own x k x EP x
+        ETP / E under balanced routing (module docstring)."""
+        s, layout = self.shape, self.layout
+        if not s.experts:
+            return 0.0
+        return self._own_tokens(j) * s.routed_copies * layout.ep * layout.expert_tp / s.experts
+
+    def _grouped_gemm(self, groups: int, m: float, n: float, k: float) -> float:
+        """``groups`` GEMMs (m x k) @ (k x n) in one grouped kernel: each at the roofline
+        (``Kernels.gemm``), one launch."""
+        one = self.kernels.gemm(m, n, k, self.shape.bytes_per_element)
+        if one <= 0:
+            return 0.0
+        overhead = self.profile.kernel_overhead
+        return groups * (one - overhead) + overhead
+
+    def alltoall_bytes(self, j: int = 0) -> float:
+        """Bytes one rank sends in one expert all-to-all of slice j: n_own x k x h x bytes x
+        (EP-1)/EP (``FlopCosts.expert_alltoall_bytes``, the same formula); 0 for EP 1 or dense."""
+        return self.base.expert_alltoall_bytes(Op(OpKind.F, 0, 0, j))
+
+    def _alltoall_seconds(self, j: int) -> float:
+        """One expert all-to-all of slice j: its bytes over NVLink when the EP group is inside a
+        node, else over InfiniBand, plus one collective latency."""
+        nbytes = self.alltoall_bytes(j)
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / self.kernels.link(self.layout.ep_intra) + self.profile.collective_latency
+
+    def alltoall_seconds(self, j: int = 0) -> float:
+        return self._alltoall[j]
+
+    def _moe_layer_times(self, j: int) -> LayerTimes:
+        """One MoE layer of slice j on one rank (module docstring), all-to-alls included."""
+        s, layout, k = self.shape, self.layout, self.kernels
+        t, etp, e = layout.tp, layout.expert_tp, s.bytes_per_element
+        n, own = self._local_tokens(j), self._own_tokens(j)
+        copies = own * s.routed_copies  # routed copies this rank dispatches (and gets back)
+        fs, fe, up = s.shared_expert_ffn, s.moe_ffn, s.ffn_matrices - 1
+        dense_gemm = (
+            k.gemm(n, (s.q_width + 2 * s.kv_width) / t, s.hidden, e)
+            + k.gemm(n, s.hidden, s.q_width / t, e)
+            + k.gemm(own, s.experts, s.hidden, e)  # router
+            + (k.gemm(n, up * fs / t, s.hidden, e) + k.gemm(n, s.hidden, fs / t, e) if fs else 0.0)
+        )
+        local, m = s.experts // layout.ep, self.tokens_per_expert(j)
+        expert_gemm = self._grouped_gemm(local, m, up * fe / etp, s.hidden) + self._grouped_gemm(
+            local, m, s.hidden, fe / etp
+        )
+        gemm = dense_gemm + expert_gemm
+        attention_f, attention_b = self._attention_times(j)
+        sp_split = t if layout.parallel.sp else 1
+        activations = (3 if s.gated else 2) * (n * fs / t + copies * fe)
+        activations += 2 * n * (s.q_width + s.kv_width) / t
+        elementwise = k.memory(e * (n * 10 * s.hidden / sp_split + activations + 4 * copies * etp * s.hidden))
+        tp = self._tp_collective(j)
+        forward_count, weight_count = (4, 2) if fs else (2, 1)  # SP collectives: attention (+ shared)
+        weight_tp = weight_count * tp if layout.parallel.sp else 0.0
+        if self.tp_comm_overlap:
+            forward_tp = backward_tp = max(0.0, forward_count * tp - dense_gemm)
+            fused_tp = max(0.0, forward_count * tp - 2 * dense_gemm)
+        else:
+            forward_tp = backward_tp = forward_count * tp
+            fused_tp = weight_count * tp + max(0.0, forward_count * tp - 2 * dense_gemm)
+        expert_tp = k.collective(copies * etp * s.hidden * e, etp, layout.etp_intra)
+        exchange = 2 * expert_tp + 2 * self._alltoall[j]  # F: gather, scatter, dispatch, combine
+        cp = self._cp_collective(j)
+        overhead = self.profile.kernel_overhead
+        forward = (
+            gemm
+            + attention_f
+            + elementwise
+            + forward_tp
+            + cp
+            + exchange
+            + (FORWARD_KERNELS + MOE_FORWARD_KERNELS) * overhead
+        )
+        backward_common = (
+            attention_b
+            + 2 * elementwise
+            + cp
+            + exchange
+            + (BACKWARD_KERNELS + MOE_BACKWARD_KERNELS) * overhead
+        )
+        backward = gemm + backward_common + backward_tp
+        weight = gemm + weight_tp
+        fused = 2 * gemm + backward_common + fused_tp
+        recompute = {"none": 0.0, "selective": attention_f, "full": forward}[self.recompute]
+        return LayerTimes(forward, backward, weight, fused, recompute)
+
+    def expert_comm_time(self, op: Op) -> float:
+        """Seconds of ``op``'s expert all-to-alls (``schedule/pairs.py`` reads this name): two per
+        MoE layer of its stage in an F (dispatch, combine) and in a B or BW (their gradients),
+        and, under full recomputation, two more per recomputed MoE layer in B or BW; 0 for W and
+        the rest, and for EP 1 or a dense model. Part of ``duration``."""
+        if op.kind not in (OpKind.F, OpKind.B, OpKind.BW):
+            return 0.0
+        layers = self.moe_layers[op.stage]
+        if op.kind is not OpKind.F and self.recompute == "full":
+            layers += self.recomputed_moe_layers(op.stage)
+        return 2 * layers * self._alltoall[op.slice]
+
+    def moe_layer_seconds(self, j: int = 0) -> LayerTimes:
+        """One MoE layer's times (a dense model: raises IndexError)."""
+        return self._moe[j]
 
     def _scores(self, j: int) -> float:
         """Score elements of slice j on one rank under unfused attention: its heads x its queries
@@ -244,9 +415,20 @@ class PlanCosts:
             return 0.0
         field = {OpKind.F: "forward", OpKind.B: "backward", OpKind.W: "weight", OpKind.BW: "fused"}[op.kind]
         times = self._layer[op.slice]
-        total = self.layers[op.stage] * getattr(times, field)
+        moe = self.moe_layers[op.stage]
+        if moe:
+            moe_times = self._moe[op.slice]
+            dense = self.layers[op.stage] - moe
+            total = dense * getattr(times, field) + moe * getattr(moe_times, field)
+        else:
+            total = self.layers[op.stage] * getattr(times, field)
         if op.kind in (OpKind.B, OpKind.BW):
-            total += self.recomputed_layers(op.stage) * times.recompute
+            recomputed_moe = self.recomputed_moe_layers(op.stage)
+            if recomputed_moe:
+                recomputed_dense = self.recomputed_layers(op.stage) - recomputed_moe
+                total += recomputed_dense * times.recompute + recomputed_moe * self._moe[op.slice].recompute
+            else:
+                total += self.recomputed_layers(op.stage) * times.recompute
         if op.stage == self.num_stages - 1 and self.vocab == "none":
             total += getattr(self._head[op.slice], field)
         return total
@@ -278,6 +460,16 @@ class PlanCosts:
         if self.recompute == "selective" or self.recompute_layers is None:
             return layers
         return min(layers, self.recompute_layers)
+
+    def recomputed_moe_layers(self, stage: int) -> int:
+        """The MoE layers among :meth:`recomputed_layers` (block: the stage's first ones, in model
+        order)."""
+        if not self.moe_layers[stage] or self.recompute == "none":
+            return 0
+        if self.recompute == "selective" or self.recompute_layers is None:
+            return self.moe_layers[stage]
+        start = sum(self.layers[:stage])
+        return sum(self.shape.moe_layers()[start : start + self.recomputed_layers(stage)])
 
     def _activation_of(self, op: Op) -> float:
         full = self.base.activation(op) + self._cp_cache_bytes(op)
@@ -349,7 +541,10 @@ class PlanCosts:
         recompute only): its whole saved activation, held while that layer's backward runs."""
         if self.recompute != "full":
             return 0.0
-        per_token = self.layout.parallel.activation(layer_activation_parts(self.shape))
+        parallel = self.layout.parallel
+        per_token = parallel.activation(layer_activation_parts(self.shape))
+        if any(self.moe_layers):
+            per_token = max(per_token, parallel.activation(layer_activation_parts(self.shape, moe=True)))
         return per_token * self.micro_batch_size * max(self.lengths)
 
     def flops(self, op: Op) -> float:

@@ -5,6 +5,15 @@ Ranks are numbered as Megatron-LM numbers them by default (``tp-cp-ep-dp-pp``: t
 ranks adjacent, then context, data and pipeline), and nodes hold ``gpus_per_node`` consecutive
 ranks. A group is inside one node when its ranks span at most one node's worth of consecutive
 ranks; otherwise its collectives cross InfiniBand.
+
+Mixture-of-experts layers lay the same ranks out again (megatron-core's "MoE parallel folding",
+``parallel_state.initialize_model_parallel``): a second ``RankGenerator`` with ``tp=ETP, ep=EP,
+dp=EDP, pp=PP, cp=1`` and the same order ``tp-cp-ep-dp-pp``, over the same world, where
+EDP = world / (ETP x EP x PP) (megatron-core raises unless ETP x EP x PP divides the world, i.e.
+EP x ETP divides a stage's TP x CP x DP ranks) and both generators' pipeline groups must match.
+So the expert-TP ranks are adjacent and an EP group's ranks are strided by ETP: EP x ETP
+consecutive ranks of one pipeline stage (CP is folded into EP / EDP, not between them). ETP
+defaults to the TP size (``--expert-tensor-parallel-size``).
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..schedule.layer_split import uneven_splits
-from ..schedule.memory_model import Parallelism, tp_indivisible
+from ..schedule.memory_model import ParallelError, Parallelism, check_experts, tp_indivisible
 from ..schedule.models import ModelShape
 
 
@@ -26,6 +35,24 @@ class Layout:
     gpus_per_node: int = 8
     sequence_parallel: bool = True  # with TP > 1 (``--sequence-parallel``)
     distributed_optimizer: bool = True  # with DP x CP > 1 (``--use-distributed-optimizer``)
+    ep: int = 1  # expert parallel (``--expert-model-parallel-size``)
+    etp: int | None = None  # expert TP (``--expert-tensor-parallel-size``); None: the TP size
+
+    def __post_init__(self) -> None:
+        """Refuse expert sizes megatron-core's ``initialize_model_parallel`` refuses, whatever the
+        model: EP x ETP x PP must divide the world (EP x ETP a stage's TP x CP x DP ranks)."""
+        if self.ep < 1 or self.expert_tp < 1:
+            raise ValueError(f"EP {self.ep} and ETP {self.expert_tp} must be at least 1")
+        stage = self.tp * self.cp * self.dp
+        if stage % (self.ep * self.expert_tp):
+            raise ValueError(
+                f"EP{self.ep} x ETP{self.expert_tp} does not divide the {stage} ranks of a pipeline "
+                f"stage (TP{self.tp} x CP{self.cp} x DP{self.dp})"
+            )
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     @property
     def gpus(self) -> int:
@@ -48,6 +75,18 @@ class Layout:
         return self._inside(self.tp * self.cp * self.dp)
 
     @property
+    def ep_intra(self) -> bool:
+        """The expert-parallel group (its all-to-alls) inside one node. Under the expert order
+        ``tp-cp-ep-dp-pp`` with ``tp=ETP, cp=1`` an EP group is EP ranks strided by ETP, so it
+        spans ETP x EP consecutive ranks (starting at a multiple of them)."""
+        return self._inside(self.expert_tp * self.ep)
+
+    @property
+    def etp_intra(self) -> bool:
+        """The expert-TP group (adjacent ranks) inside one node."""
+        return self._inside(self.expert_tp)
+
+    @property
     def pp_intra(self) -> bool:
         return self._inside(self.gpus)
 
@@ -62,10 +101,16 @@ class Layout:
             cp=self.cp,
             dp=self.dp,
             distributed_optimizer=self.dp * self.cp > 1 and self.distributed_optimizer,
+            ep=self.ep,
+            etp=self.etp,
         )
 
     def label(self) -> str:
         text = f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp}"
+        if self.ep > 1:
+            text += f" EP{self.ep}"
+        if self.expert_tp != self.tp:
+            text += f" ETP{self.expert_tp}"
         if self.tp > 1 and not self.sequence_parallel:
             text += " no-SP"
         if self.dp * self.cp > 1 and not self.distributed_optimizer:
@@ -85,6 +130,10 @@ def layout_problem(
     indivisible = tp_indivisible(shape, t)
     if indivisible:
         return "indivisible: TP", f"TP{t} does not divide the {indivisible}"
+    try:
+        check_experts(shape, layout.parallel)  # EP divides the experts, ETP their width; MoE + TP: SP
+    except ParallelError as error:
+        return "expert layout", str(error)
     if t > layout.gpus_per_node:
         return "TP across nodes", f"TP{t} is wider than a node of {layout.gpus_per_node} GPUs"
     multiple = layout.parallel.sequence_multiple

@@ -1,0 +1,157 @@
+"""The planner's cost model for mixture-of-experts layers (issue #47, first step; ``plan`` still
+refuses MoE models): expert sizes in ``Layout``, the expert all-to-all's bytes and link, dense
+models untouched, and overlapped pairs hiding the all-to-all under this cost model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_pp_ext.planner import devices
+from megatron_pp_ext.planner.costs import PlanCosts
+from megatron_pp_ext.planner.layout import Layout, layout_problem
+from megatron_pp_ext.schedule.flops import FlopCosts
+from megatron_pp_ext.schedule.generators import SCHEDULES, generate
+from megatron_pp_ext.schedule.ir import Op, OpKind
+from megatron_pp_ext.schedule.lowering import lower
+from megatron_pp_ext.schedule.memory_model import stage_layers
+from megatron_pp_ext.schedule.models import ModelShape
+from megatron_pp_ext.schedule.pairing import pair
+from megatron_pp_ext.schedule.pairs import count
+from megatron_pp_ext.schedule.replay import replay
+
+H100 = devices.get_profile("h100-80gb")
+SEQ = 4096
+# Every layer MoE: 16 routed experts of width 1024, top-2, no shared expert.
+MOE = ModelShape(
+    "moe-test", 8, 1024, 8, 8, 128, 4096, 32000, experts=16, topk=2, expert_ffn=1024, moe_layer_freq=1
+)
+DENSE = MOE.as_dense()
+
+
+def plan_costs(shape: ModelShape, layout: Layout, schedule=None, profile=H100, **options) -> PlanCosts:
+    schedule = schedule or generate("1f1b", layout.pp, 2 * layout.pp)
+    layers = stage_layers(shape.layers, schedule.num_stages)
+    return PlanCosts(shape, schedule, SEQ, layout, profile, 1, layers_per_stage=layers, **options)
+
+
+F, B, W = Op(OpKind.F, 0, 0), Op(OpKind.B, 0, 0), Op(OpKind.W, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("layout", "own_tokens", "link"),
+    [
+        (Layout(1, 1, 2, 8, gpus_per_node=8, ep=8), SEQ, H100.nvlink_bandwidth),  # EP8 in a node
+        (Layout(1, 1, 2, 8, gpus_per_node=4, ep=8), SEQ, H100.ib_bandwidth),  # EP8 over 2 nodes
+        (Layout(2, 1, 2, 4, gpus_per_node=8, ep=4), SEQ / 2, H100.nvlink_bandwidth),  # ETP2 x EP4 = 8
+        (Layout(2, 1, 2, 8, gpus_per_node=8, ep=8, etp=1), SEQ / 2, H100.nvlink_bandwidth),
+        (Layout(2, 1, 2, 8, gpus_per_node=8, ep=8), SEQ / 2, H100.ib_bandwidth),  # ETP2 x EP8 = 16
+    ],
+    ids=lambda value: value.label() if isinstance(value, Layout) else None,
+)
+def test_one_moe_layer_s_all_to_all_by_hand(layout: Layout, own_tokens: float, link: float) -> None:
+    """Per rank and all-to-all: its own tokens (b s / TP under SP) x top-k x h x 2 bytes x
+    (EP-1)/EP, at NVLink's bandwidth when the ETP x EP consecutive ranks fit in a node, else at
+    IB's, plus one collective latency; F and B have two per MoE layer, W none."""
+    costs = plan_costs(MOE, layout)
+    ep = layout.ep
+    nbytes = own_tokens * 2 * 1024 * 2 * (ep - 1) / ep
+    seconds = nbytes / link + H100.collective_latency
+    assert costs.alltoall_bytes() == pytest.approx(nbytes)
+    assert costs.alltoall_seconds() == pytest.approx(seconds)
+    assert costs.tokens_per_expert() == pytest.approx(own_tokens * 2 * ep * layout.expert_tp / 16)
+    layers = costs.moe_layers[0]
+    assert layers == 4  # 8 MoE layers over 2 stages
+    assert costs.expert_comm_time(F) == pytest.approx(2 * layers * seconds)
+    assert costs.expert_comm_time(B) == pytest.approx(2 * layers * seconds)
+    assert costs.expert_comm_time(W) == 0.0
+    assert costs.expert_comm_time(Op(OpKind.BW, 0, 0)) == pytest.approx(2 * layers * seconds)
+
+
+def test_the_all_to_all_is_in_the_op_s_duration_and_full_recompute_repeats_it() -> None:
+    """With TP = CP = ETP = 1 the all-to-all is the only collective in a duration: slowing IB
+    lengthens F and B by exactly their all-to-all's change. Full recomputation reruns each MoE
+    layer's F, all-to-alls included, inside B."""
+    layout = Layout(1, 1, 2, 8, gpus_per_node=4, ep=8)
+    slow_ib = H100.perturbed({"ib_bandwidth": 0.5})
+    fast, slow = plan_costs(MOE, layout), plan_costs(MOE, layout, profile=slow_ib)
+    for op in (F, B):
+        change = slow.expert_comm_time(op) - fast.expert_comm_time(op)
+        assert change > 0 and slow.duration(op) - fast.duration(op) == pytest.approx(change)
+    assert slow.duration(W) == fast.duration(W)
+    full = plan_costs(MOE, layout, recompute="full")
+    assert full.expert_comm_time(B) == pytest.approx(2 * fast.expert_comm_time(B))
+    assert full.expert_comm_time(F) == fast.expert_comm_time(F)
+
+
+def test_ep1_has_no_all_to_all() -> None:
+    costs = plan_costs(MOE, Layout(1, 1, 2, 8, gpus_per_node=4))
+    assert costs.alltoall_bytes() == 0.0 and costs.alltoall_seconds() == 0.0
+    assert [costs.expert_comm_time(op) for op in (F, B, W)] == [0.0, 0.0, 0.0]
+    assert costs.duration(F) > 0
+
+
+def test_moe_flops_are_flop_costs_and_experts_cost_less_than_a_dense_mlp_of_all_of_them() -> None:
+    """FLOPs are FlopCosts' MoE count; an MoE layer at EP 1 (top-2 of 16 experts of width 1024,
+    as much GEMM work as one 2048-wide MLP) is quicker than the dense layer (4096-wide MLP)."""
+    layout = Layout(1, 1, 2, 8)
+    costs = plan_costs(MOE, layout)
+    counted = FlopCosts(MOE, SEQ, 2, layers_per_stage=stage_layers(8, 2), parallel=layout.parallel)
+    assert costs.flops(F) == counted.flops(F)
+    assert costs.moe_layer_seconds().forward < costs.layer_seconds().forward
+
+
+def test_a_dense_model_s_times_do_not_change_with_the_expert_fields() -> None:
+    """A dense layout's costs are the default layout's (EP 1, ETP None), and a dense model has no
+    MoE layers, no all-to-all; an MoE model's dense layers cost what the dense model's do."""
+    default, explicit = Layout(2, 2, 2, 2), Layout(2, 2, 2, 2, ep=1, etp=None)
+    assert default == explicit and default.parallel == dataclasses.replace(default.parallel, ep=1, etp=None)
+    schedule = generate("zb-h1", 2, 4)
+    first, second = plan_costs(DENSE, default, schedule), plan_costs(DENSE, explicit, schedule)
+    ops = [op for ops in schedule.ranks for op in ops]
+    assert [first.duration(op) for op in ops] == [second.duration(op) for op in ops]
+    assert first.moe_layers == [0, 0] and all(first.expert_comm_time(op) == 0.0 for op in ops)
+    mixed = dataclasses.replace(MOE, moe_layer_freq=(0,) * 4 + (1,) * 4)  # stage 0 dense, stage 1 MoE
+    costs = plan_costs(mixed, Layout(1, 1, 2, 8, ep=8), schedule)
+    assert costs.moe_layers == [0, 4]
+    dense = plan_costs(DENSE, Layout(1, 1, 2, 8), schedule)
+    for kind in (OpKind.F, OpKind.B, OpKind.W):
+        assert costs.duration(Op(kind, 0, 0)) == dense.duration(Op(kind, 0, 0))
+
+
+def test_layout_refuses_expert_sizes_megatron_refuses() -> None:
+    with pytest.raises(ValueError, match="does not divide the 24 ranks"):
+        Layout(2, 1, 2, 12, ep=16)  # EP x ETP 32 does not divide TP x CP x DP 24
+    assert (
+        layout_problem(Layout(1, 1, 2, 24, ep=3), MOE, SEQ, 48, 1)[0] == "expert layout"
+    )  # 3 does not divide 16
+    assert "16 experts" in layout_problem(Layout(1, 1, 2, 24, ep=3), MOE, SEQ, 48, 1)[1]
+    assert layout_problem(Layout(1, 1, 2, 8, ep=2), DENSE, SEQ, 16, 1)[0] == "expert layout"  # dense
+    assert layout_problem(Layout(2, 1, 2, 8, ep=8, etp=1), MOE, SEQ, 16, 1) is None
+
+
+def test_layout_label_parallel_and_ep_group_placement() -> None:
+    """EP groups are ETP x EP consecutive ranks (megatron-core's expert RankGenerator, order
+    tp-cp-ep-dp-pp with tp=ETP, cp=1)."""
+    layout = Layout(2, 2, 2, 4, ep=4, etp=1)
+    assert layout.label() == "TP2 CP2 PP2 DP4 EP4 ETP1"
+    assert Layout(2, 1, 2, 4).label() == "TP2 CP1 PP2 DP4"
+    assert (layout.parallel.ep, layout.parallel.expert_tp, layout.parallel.expert_dp) == (4, 1, 4)
+    assert layout.ep_intra and not Layout(2, 2, 2, 4, ep=8).ep_intra  # 4 ranks; 2 x 8 = 16 ranks
+    assert Layout(8, 1, 2, 8, ep=8, etp=1).ep_intra  # EP over the TP ranks of one node
+
+
+def test_pairing_hides_the_all_to_all_for_dualpipev_at_p4() -> None:
+    """DualPipeV at p = 4 with EP8 over two nodes: the paired step is shorter than the unpaired
+    one (each pair runs one op's all-to-all behind the other's compute)."""
+    shape = dataclasses.replace(MOE, layers=16)
+    spec = SCHEDULES["dualpipev"]
+    schedule = generate("dualpipev", 4, max(12, spec.min_microbatches(4, spec.default_vpp, 1)))
+    layout = Layout(1, 1, 4, 8, gpus_per_node=4, ep=8)
+    costs = plan_costs(shape, layout, schedule)
+    op = Op(OpKind.F, 0, 0)
+    assert 0 < costs.expert_comm_time(op) < costs.duration(op)
+    paired = pair(schedule, costs)
+    assert count(paired) > 0
+    assert replay(lower(paired), costs).makespan < replay(lower(schedule), costs).makespan
