@@ -7,7 +7,9 @@ For each run whose model ``ModelShape`` can express, the run's layout is pinned 
 EP, ETP, VPP, micro-batch, global batch) and evaluated with the planner's own pinned-run path:
 ``predict.pinned_candidate`` builds the candidate from ``Pins`` and ``step.evaluate`` replays it
 (every microbatch when ``predict.PREDICT_FULL_UNITS`` allows, memory reported not checked), with
-``costs.PlanCosts`` timing the MoE layers and the expert all-to-all.
+``costs.PlanCosts`` timing the MoE layers and the expert all-to-all under the run's dispatcher
+(``Run.dispatcher``: "flex" for DeepEP / HybridEP, "alltoall"), passed by swapping
+``step.PlanCosts`` for the call (``dispatcher`` below; ``Candidate`` has no dispatcher field).
 
 THE MoE REFUSAL IS BYPASSED HERE ONLY. ``plan`` refuses MoE models in ``planner/model.py``
 (``resolve``) and ``planner/megatron_args.py`` (``read_args``); this script never calls those, it
@@ -22,8 +24,12 @@ table (Megatron's count), or the published seconds per step where a source gives
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 
+from megatron_pp_ext.planner import step
+from megatron_pp_ext.planner.costs import PlanCosts
 from megatron_pp_ext.planner.devices import get_profile
 from megatron_pp_ext.planner.pins import Pins
 from megatron_pp_ext.planner.predict import PREDICT_FULL_UNITS, pinned_candidate
@@ -86,6 +92,7 @@ class Run:
     micro_batch: int = 1
     recompute: str = "none"
     stage_layers: tuple[int, ...] | None = None
+    dispatcher: str = "flex"  # PlanCosts' dispatcher: "flex" (DeepEP / HybridEP) or "alltoall"
     assumptions: list[str] = field(default_factory=list)
 
     @property
@@ -170,6 +177,7 @@ def runs() -> list[Run]:
             tf_step(8192, F_Q235, 253, 256),
             "GBS x seq x F_tok / (TF x GPUs)",
             stage_layers=(2, *[3] * 30, 2),
+            dispatcher="alltoall",
             assumptions=[FP8, NO_EP_OVERLAP, Q235_SPLIT, "alltoall dispatcher", FORCED],
         ),
         Run(
@@ -228,7 +236,7 @@ def runs() -> list[Run]:
             "published s/step",
             assumptions=[
                 NO_EP_OVERLAP,
-                "EP16 over 2 nodes: all-to-all over IB",
+                "EP16 over 2 nodes of 8: all-to-all split NVLink / IB",
                 "HybridEP, CUDA graphs",
                 FORCED,
             ],
@@ -250,7 +258,8 @@ def runs() -> list[Run]:
             assumptions=[
                 FP8,
                 "EP overlap off (as modelled)",
-                "EP16 over 2 nodes: all-to-all over IB",
+                "EP16 over 2 nodes of 8: all-to-all split NVLink / IB",
+                "HybridEP dispatcher",
                 FORCED,
             ],
         ),
@@ -268,6 +277,7 @@ def runs() -> list[Run]:
             "~445 TFLOP/s/GPU",
             tf_step(256, F_MIX, 445, 128),
             "GBS x seq x F_tok / (TF x GPUs)",
+            dispatcher="alltoall",
             assumptions=[
                 "EP overlap off (as modelled)",
                 "dropless, natural routing; cost model assumes "
@@ -276,6 +286,17 @@ def runs() -> list[Run]:
             ],
         ),
     ]
+
+
+@contextmanager
+def dispatcher(name: str):
+    """``step`` builds ``PlanCosts`` with the default alltoall dispatcher; for this script only,
+    the run's dispatcher (``Candidate`` has no such field)."""
+    step.PlanCosts = partial(PlanCosts, dispatcher=name)
+    try:
+        yield
+    finally:
+        step.PlanCosts = PlanCosts
 
 
 def evaluate_run(run: Run, ib_scale: float = 1.0) -> PlanResult:
@@ -302,7 +323,8 @@ def evaluate_run(run: Run, ib_scale: float = 1.0) -> PlanResult:
     lay = candidate.layout
     microbatches = problem.global_batch // (lay.dp * candidate.micro_batch)
     full = lay.pp * candidate.vpp * candidate.slices * microbatches <= PREDICT_FULL_UNITS  # as predict()
-    return evaluate(problem, candidate, full=full, check_memory=False)
+    with dispatcher(run.dispatcher):
+        return evaluate(problem, candidate, full=full, check_memory=False)
 
 
 def main() -> None:
@@ -341,7 +363,8 @@ def main() -> None:
             continue
         # exposed all-to-all estimate: expert_comm_time of every F and B of one microbatch on the
         # busiest rank x microbatches (none of it is hidden by these schedules)
-        schedule, costs, _ = pipeline_of(result.problem, result.candidate, result.simulated_microbatches)
+        with dispatcher(run.dispatcher):
+            schedule, costs, _ = pipeline_of(result.problem, result.candidate, result.simulated_microbatches)
         kinds = (OpKind.F, OpKind.B, OpKind.W) if schedule.splits_backward else (OpKind.F, OpKind.BW)
         per_rank = [0.0] * schedule.pp
         for stage in range(schedule.num_stages):
@@ -352,7 +375,10 @@ def main() -> None:
         c = result.candidate
         f_tok = result.model_flops / (run.global_batch * SEQ)
         ratio = result.step_time / run.published_step
-        label = f"{c.layout.label()} VPP{c.vpp} {c.schedule}, MBS{c.micro_batch} GBS{run.global_batch}"
+        label = (
+            f"{c.layout.label()} VPP{c.vpp} {c.schedule}, MBS{c.micro_batch} GBS{run.global_batch}, "
+            f"{run.dispatcher}"
+        )
         table.append(
             f"| {run.key} {run.what} | {label} | {result.step_time:.2f} | {run.published_step:.2f} "
             f"({run.published}) | **{ratio:.2f}** | {f_tok:.3e} / {f_file[run.shape.name]:.3e} | "

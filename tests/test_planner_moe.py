@@ -1,10 +1,12 @@
 """The planner's cost model for mixture-of-experts layers (issue #47, first step; ``plan`` still
-refuses MoE models): expert sizes in ``Layout``, the expert all-to-all's bytes and link, dense
-models untouched, and overlapped pairs hiding the all-to-all under this cost model."""
+refuses MoE models): expert sizes in ``Layout``, the expert all-to-all's in-node and cross-node
+bytes and links under the alltoall and flex dispatchers, dense models untouched, and overlapped
+pairs hiding the all-to-all under this cost model."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -40,33 +42,91 @@ F, B, W = Op(OpKind.F, 0, 0), Op(OpKind.B, 0, 0), Op(OpKind.W, 0, 0)
 
 
 @pytest.mark.parametrize(
-    ("layout", "own_tokens", "link"),
+    ("layout", "own_tokens", "inside", "across"),
     [
-        (Layout(1, 1, 2, 8, gpus_per_node=8, ep=8), SEQ, H100.nvlink_bandwidth),  # EP8 in a node
-        (Layout(1, 1, 2, 8, gpus_per_node=4, ep=8), SEQ, H100.ib_bandwidth),  # EP8 over 2 nodes
-        (Layout(2, 1, 2, 4, gpus_per_node=8, ep=4), SEQ / 2, H100.nvlink_bandwidth),  # ETP2 x EP4 = 8
-        (Layout(2, 1, 2, 8, gpus_per_node=8, ep=8, etp=1), SEQ / 2, H100.nvlink_bandwidth),
-        (Layout(2, 1, 2, 8, gpus_per_node=8, ep=8), SEQ / 2, H100.ib_bandwidth),  # ETP2 x EP8 = 16
+        (Layout(1, 1, 2, 8, gpus_per_node=8, ep=8), SEQ, 7 / 8, 0.0),  # EP8 in a node
+        (Layout(1, 1, 2, 8, gpus_per_node=4, ep=8), SEQ, 3 / 8, 4 / 8),  # EP8 over 2 nodes of 4
+        (Layout(2, 1, 2, 4, gpus_per_node=8, ep=4), SEQ / 2, 3 / 4, 0.0),  # ETP2 x EP4 = 8
+        (Layout(2, 1, 2, 8, gpus_per_node=8, ep=8, etp=1), SEQ / 2, 7 / 8, 0.0),
+        (Layout(2, 1, 2, 8, gpus_per_node=8, ep=8), SEQ / 2, 3 / 8, 4 / 8),  # ETP2 x EP8: 4 a node
     ],
     ids=lambda value: value.label() if isinstance(value, Layout) else None,
 )
-def test_one_moe_layer_s_all_to_all_by_hand(layout: Layout, own_tokens: float, link: float) -> None:
-    """Per rank and all-to-all: its own tokens (b s / TP under SP) x top-k x h x 2 bytes x
-    (EP-1)/EP, at NVLink's bandwidth when the ETP x EP consecutive ranks fit in a node, else at
-    IB's, plus one collective latency; F and B have two per MoE layer, W none."""
+def test_one_moe_layer_s_all_to_all_by_hand(
+    layout: Layout, own_tokens: float, inside: float, across: float
+) -> None:
+    """Alltoall dispatcher, per rank and all-to-all: its own tokens (b s / TP under SP) x top-k x
+    h x 2 bytes, of which (c-1)/EP go to the other EP ranks of its node (c of them on a node: EP
+    strided by ETP, gpus_per_node ranks a node) over NVLink and (EP-c)/EP to other nodes over IB,
+    concurrently: max of the two plus one collective latency; F and B have two per MoE layer, W
+    none."""
     costs = plan_costs(MOE, layout)
-    ep = layout.ep
-    nbytes = own_tokens * 2 * 1024 * 2 * (ep - 1) / ep
-    seconds = nbytes / link + H100.collective_latency
-    assert costs.alltoall_bytes() == pytest.approx(nbytes)
+    copies = own_tokens * 2 * 1024 * 2  # top-2 copies of h = 1024 in bf16
+    nvlink, ib = copies * inside, copies * across
+    assert inside + across == pytest.approx((layout.ep - 1) / layout.ep)  # the first model's total
+    seconds = max(nvlink / H100.nvlink_bandwidth, ib / H100.ib_bandwidth) + H100.collective_latency
+    assert costs.alltoall_parts() == pytest.approx((nvlink, ib))
+    assert costs.alltoall_bytes() == pytest.approx(nvlink + ib)
     assert costs.alltoall_seconds() == pytest.approx(seconds)
-    assert costs.tokens_per_expert() == pytest.approx(own_tokens * 2 * ep * layout.expert_tp / 16)
+    assert costs.tokens_per_expert() == pytest.approx(own_tokens * 2 * layout.ep * layout.expert_tp / 16)
     layers = costs.moe_layers[0]
     assert layers == 4  # 8 MoE layers over 2 stages
     assert costs.expert_comm_time(F) == pytest.approx(2 * layers * seconds)
     assert costs.expert_comm_time(B) == pytest.approx(2 * layers * seconds)
     assert costs.expert_comm_time(W) == 0.0
     assert costs.expert_comm_time(Op(OpKind.BW, 0, 0)) == pytest.approx(2 * layers * seconds)
+
+
+def test_flex_sends_a_token_across_once_per_node_by_hand() -> None:
+    """EP8 over 2 nodes of 4, 16 experts top-2 (8 experts a node). Flex (DeepEP / HybridEP): a
+    token crosses IB once if one of its 2 experts is on the other node, probability 1 - C(8, 2) /
+    C(16, 2) = 1 - 28/120 = 23/30, against 4/8 x 2 = 1 copy under alltoall; in-node it sends its
+    3/8 x 2 own-node copies and forwards the other node's (3 of 4 not on the receiving rank),
+    2 x 3/4 copies. An all-to-all is the slower of the two links plus one latency."""
+    layout = Layout(1, 1, 2, 8, gpus_per_node=4, ep=8)
+    flex, alltoall = plan_costs(MOE, layout, dispatcher="flex"), plan_costs(MOE, layout)
+    token = SEQ * 1024 * 2
+    assert flex.ep_node_ranks() == [4, 4]
+    assert flex.cross_nodes_per_token() == pytest.approx(23 / 30)
+    assert flex.alltoall_parts() == pytest.approx((token * 2 * 3 / 4, token * 23 / 30))
+    assert alltoall.alltoall_parts() == pytest.approx((token * 2 * 3 / 8, token * 2 * 4 / 8))
+    assert flex.alltoall_parts()[1] < alltoall.alltoall_parts()[1]  # dedup: fewer IB bytes
+    seconds = max(token * 1.5 / H100.nvlink_bandwidth, token * 23 / 30 / H100.ib_bandwidth)
+    assert flex.alltoall_seconds() == pytest.approx(seconds + H100.collective_latency)
+    assert flex.alltoall_seconds() < alltoall.alltoall_seconds()
+
+
+def test_flex_dedup_with_many_experts_and_nodes() -> None:
+    """128 experts top-8 over EP16 on 2 nodes (Qwen3-30B-A3B's run 4a): flex sends about one
+    copy per token across (1 - C(64, 8) / C(128, 8)), alltoall 8 x 8/16 = 4."""
+    shape = dataclasses.replace(MOE, experts=128, topk=8)
+    layout = Layout(1, 1, 1, 16, gpus_per_node=8, ep=16)
+    flex = plan_costs(shape, layout, schedule=generate("1f1b", 1, 2), dispatcher="flex")
+    alltoall = plan_costs(shape, layout, schedule=generate("1f1b", 1, 2))
+    token = SEQ * 1024 * 2
+    reached = 1 - math.comb(64, 8) / math.comb(128, 8)
+    assert 0.99 < reached < 1
+    assert flex.alltoall_parts()[1] == pytest.approx(token * reached)
+    assert alltoall.alltoall_parts()[1] == pytest.approx(token * 4)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(1, 1, 2, 8, gpus_per_node=8, ep=8), Layout(2, 1, 2, 4, gpus_per_node=8, ep=4)],
+    ids=lambda layout: layout.label(),
+)
+def test_an_ep_group_inside_one_node_is_the_same_under_either_dispatcher(layout: Layout) -> None:
+    """N = 1: no IB part, (EP-1)/EP of the copies over NVLink, as the first model had it."""
+    flex, alltoall = plan_costs(MOE, layout, dispatcher="flex"), plan_costs(MOE, layout)
+    own = SEQ / layout.tp
+    nbytes = own * 2 * 1024 * 2 * (layout.ep - 1) / layout.ep
+    for costs in (flex, alltoall):
+        assert costs.alltoall_parts() == pytest.approx((nbytes, 0.0))
+        assert costs.alltoall_seconds() == pytest.approx(
+            nbytes / H100.nvlink_bandwidth + H100.collective_latency
+        )
+    with pytest.raises(ValueError, match="dispatcher"):
+        plan_costs(MOE, layout, dispatcher="deepep")
 
 
 def test_the_all_to_all_is_in_the_op_s_duration_and_full_recompute_repeats_it() -> None:

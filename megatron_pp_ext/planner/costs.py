@@ -60,21 +60,46 @@ f_s the routed and shared experts' widths, EP and ETP the expert sizes of ``Layo
   core's alltoall dispatcher: ``gather_from_sequence_parallel_region`` over the expert-TP group),
   a buffer of n_own x k x ETP copies of h, in F and again (their gradients) in B;
 * the expert all-to-alls (``expert_comm_time``): F dispatches and combines, B (or BW) runs their
-  two backward all-to-alls; each moves, per rank, n_own x k x h x 2 bytes x (EP-1)/EP (the copies
-  whose expert is on another EP rank; ``FlopCosts.expert_alltoall_bytes``) at the NVLink
-  bandwidth when the EP group is inside one node (``Layout.ep_intra``), else at the InfiniBand
-  one (every rank then sends most of its copies off the node), plus one collective latency.
-  They are in the op's duration, so an overlapped F&B pair (``schedule/pairing.py``) hides them
-  behind its partner's compute. Full recomputation reruns a recomputed MoE layer's F, all-to-alls
-  included, inside its B;
+  two backward all-to-alls. Each is split into the part that stays on the rank's node and the part
+  that crosses nodes (``alltoall_parts``). The EP group is EP ranks strided by ETP (``Layout``),
+  so with G = ``gpus_per_node`` a node holds c = G / ETP of them (all EP if ETP x EP <= G; 1 if
+  ETP >= G) and the group spans N = EP / c nodes, each with E c / EP of the experts. Under balanced
+  routing a token's k routed copies go to experts uniformly, so per rank (n_own tokens, h x 2
+  bytes a copy):
+
+  - ``dispatcher="alltoall"`` (megatron-core's alltoall dispatcher, one NCCL all-to-all over the
+    EP group, one copy per routed expert, no deduplication): (c-1)/EP of the copies go to the
+    other EP ranks of the node over NVLink, (EP-c)/EP to the other nodes over InfiniBand:
+    in-node n_own k h 2 (c-1)/EP, cross-node n_own k h 2 (EP-c)/EP (together the (EP-1)/EP of
+    ``FlopCosts.expert_alltoall_bytes``);
+  - ``dispatcher="flex"`` (DeepEP / HybridEP, megatron-core's flex dispatcher): a token crosses
+    InfiniBand once per other node that holds one of its experts, to the rank of the same local
+    index there, which forwards the copies over NVLink. Under uniform random top-k over the E
+    experts a node holding E_n of them receives the token with probability 1 - C(E - E_n, k) /
+    C(E, k), so the expected number of distinct other nodes is D = (N-1) (1 - C(E - E/N, k) /
+    C(E, k)) (evenly spread; the whole group would be N times that bracket, the own node is
+    excluded): cross-node n_own D h 2 (scaled by ``routed_copies`` / k under a capacity factor).
+    In-node: the copies to the own node's other ranks, k (c-1)/EP, plus those the receiving
+    rank of another node forwards to its c-1 neighbours, k (N-1)(c-1)/EP (by symmetry what the
+    rank forwards for others): n_own k h 2 (c-1)/c. Not modelled: DeepEP's per-rank
+    deduplication of two experts on one GPU (the NVLink part counts every copy).
+
+  An EP group inside one node (N = 1) sends (EP-1)/EP of the copies over NVLink under either
+  dispatcher, as before the split. The two parts run concurrently on separate links (NVLink and
+  the InfiniBand NICs), so an all-to-all takes max(in-node bytes / NVLink bandwidth, cross-node
+  bytes / InfiniBand bandwidth) plus one collective latency. They are in the op's duration, so an
+  overlapped F&B pair (``schedule/pairing.py``) hides them behind its partner's compute. Full
+  recomputation reruns a recomputed MoE layer's F, all-to-alls included, inside its B;
 * bandwidth-bound kernels: a dense layer's norms and residual traffic, the attention and shared
   expert's activations, and per routed copy on the rank its f_e/ETP-wide activations and the
   permute and unpermute (reading and writing h each), four more launches in F (softmax, top-k,
   permute, unpermute), eight in B.
 
-Not modelled for MoE: DeepSeek-V3's node-limited routing, FP8 dispatch, the router's auxiliary
-losses, the dispatcher's token-count exchange, the NVLink share of an all-to-all whose EP group
-spans nodes.
+Not modelled for MoE: DeepSeek-V3's node-limited routing (megatron-core's
+``moe_router_num_groups`` / ``moe_router_group_topk``, at most M nodes per token, which would cap
+D at M - 1 or M: ``ModelShape`` has no such field), FP8 dispatch, the router's auxiliary losses,
+the dispatcher's token-count exchange, EP groups spread unevenly over nodes (ETP x EP neither a
+multiple nor a divisor of ``gpus_per_node``: the parts are averaged over the group's ranks).
 
 Pipeline messages take the link between neighbouring pipeline ranks; activation copies the GPU's
 PCIe link.
@@ -103,6 +128,7 @@ FORWARD_KERNELS = 10  # bandwidth-bound launches per layer besides GEMMs and att
 BACKWARD_KERNELS = 20
 MOE_FORWARD_KERNELS = 4  # router softmax, top-k, permute, unpermute (besides a dense layer's)
 MOE_BACKWARD_KERNELS = 8
+DISPATCHERS = ("alltoall", "flex")  # megatron-core's --moe-token-dispatcher-type, module docstring
 
 
 @dataclass(frozen=True)
@@ -134,11 +160,15 @@ class PlanCosts:
         tp_comm_overlap: bool = False,
         attention: str = "flash",
         vocab: str = "none",
+        dispatcher: str = "alltoall",
     ) -> None:
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+        self.dispatcher = dispatcher
         parallel = layout.parallel
         unit = math.lcm(DEFAULT_UNIT, parallel.sequence_multiple)
         lengths = slice_lengths(
@@ -274,18 +304,54 @@ class PlanCosts:
         overhead = self.profile.kernel_overhead
         return groups * (one - overhead) + overhead
 
+    def ep_node_ranks(self) -> list[int]:
+        """EP ranks of one EP group on each node it spans (the group of rank 0: ETP x EP
+        consecutive ranks, strided by ETP, ``gpus_per_node`` consecutive ranks a node)."""
+        layout = self.layout
+        counts: dict[int, int] = {}
+        for i in range(layout.ep):
+            node = i * layout.expert_tp // layout.gpus_per_node
+            counts[node] = counts.get(node, 0) + 1
+        return list(counts.values())
+
+    def cross_nodes_per_token(self) -> float:
+        """D: expected distinct other nodes a token's top-k reaches under uniform random routing,
+        averaged over the EP group's ranks (1 - C(E - E_n, k) / C(E, k) per node of E_n experts)."""
+        s, ep = self.shape, self.layout.ep
+        counts = self.ep_node_ranks()
+        total = math.comb(s.experts, s.topk)
+        reached = [1 - math.comb(s.experts - s.experts * c // ep, s.topk) / total for c in counts]
+        return sum(c / ep * (sum(reached) - hit) for c, hit in zip(counts, reached, strict=True))
+
+    def alltoall_parts(self, j: int = 0) -> tuple[float, float]:
+        """(in-node, cross-node) bytes one rank sends in one expert all-to-all of slice j, under
+        ``dispatcher`` (module docstring); (0, 0) for EP 1 or a dense model."""
+        s, ep = self.shape, self.layout.ep
+        if not s.experts or ep <= 1:
+            return 0.0, 0.0
+        token = self._own_tokens(j) * s.hidden * s.bytes_per_element  # one copy of each own token
+        k, counts = s.routed_copies, self.ep_node_ranks()
+        # in-node share of a rank's copies (c-1)/EP, averaged over the ranks (c/EP of them per node)
+        inside = sum(c / ep * (c - 1) / ep for c in counts)
+        if self.dispatcher == "alltoall":
+            return token * k * inside, token * k * (1 - 1 / ep - inside)
+        forwarded = sum(c / ep * (sum(counts) - c - (len(counts) - 1)) / ep for c in counts)
+        return token * k * (inside + forwarded), token * k / s.topk * self.cross_nodes_per_token()
+
     def alltoall_bytes(self, j: int = 0) -> float:
-        """Bytes one rank sends in one expert all-to-all of slice j: n_own x k x h x bytes x
-        (EP-1)/EP (``FlopCosts.expert_alltoall_bytes``, the same formula); 0 for EP 1 or dense."""
-        return self.base.expert_alltoall_bytes(Op(OpKind.F, 0, 0, j))
+        """Bytes one rank sends in one expert all-to-all of slice j, both parts: under the alltoall
+        dispatcher n_own x k x h x bytes x (EP-1)/EP (``FlopCosts.expert_alltoall_bytes``, the
+        same formula); 0 for EP 1 or dense."""
+        return sum(self.alltoall_parts(j))
 
     def _alltoall_seconds(self, j: int) -> float:
-        """One expert all-to-all of slice j: its bytes over NVLink when the EP group is inside a
-        node, else over InfiniBand, plus one collective latency."""
-        nbytes = self.alltoall_bytes(j)
-        if nbytes <= 0:
+        """One expert all-to-all of slice j: its in-node bytes over NVLink and its cross-node
+        bytes over InfiniBand, concurrently, plus one collective latency."""
+        inside, across = self.alltoall_parts(j)
+        if inside + across <= 0:
             return 0.0
-        return nbytes / self.kernels.link(self.layout.ep_intra) + self.profile.collective_latency
+        k = self.kernels
+        return max(inside / k.link(True), across / k.link(False)) + self.profile.collective_latency
 
     def alltoall_seconds(self, j: int = 0) -> float:
         return self._alltoall[j]
