@@ -11,8 +11,11 @@ import math
 import pytest
 
 from megatron_pp_ext.planner import devices
+from megatron_pp_ext.planner import search as search_module
 from megatron_pp_ext.planner.costs import PlanCosts
-from megatron_pp_ext.planner.layout import Layout, layout_problem
+from megatron_pp_ext.planner.layout import Layout, expert_layouts, layout_problem, layouts
+from megatron_pp_ext.planner.pins import PinError, Pins
+from megatron_pp_ext.planner.step import Problem
 from megatron_pp_ext.schedule.flops import FlopCosts
 from megatron_pp_ext.schedule.generators import SCHEDULES, generate
 from megatron_pp_ext.schedule.ir import Op, OpKind
@@ -215,3 +218,89 @@ def test_pairing_hides_the_all_to_all_for_dualpipev_at_p4() -> None:
     paired = pair(schedule, costs)
     assert count(paired) > 0
     assert replay(lower(paired), costs).makespan < replay(lower(schedule), costs).makespan
+
+
+# ---- the search's expert layouts -----------------------------------------------------------------
+
+
+def test_a_moe_shape_s_layouts_add_every_expert_layout_on_16_gpus() -> None:
+    """Each TP x CP x PP x DP layout comes first, then every EP dividing the 16 experts and the
+    stage's TP x CP x DP ranks with ETP = TP, and with ETP = 1 where TP > 1; every one valid."""
+    base = list(layouts(16, 8))
+    found = list(layouts(16, 8, MOE))
+    assert {(x.tp, x.cp, x.pp, x.dp) for x in found} == {(x.tp, x.cp, x.pp, x.dp) for x in base}
+    assert [x for x in found if x.ep == 1 and x.etp is None] == base  # same order
+    assert {x.ep for x in found} == {1, 2, 4, 8, 16}
+    assert len(set(found)) == len(found)
+    for layout in found:
+        assert layout.etp in (None, 1) and MOE.experts % layout.ep == 0
+        assert (layout.tp * layout.cp * layout.dp) % (layout.ep * layout.expert_tp) == 0
+        found_problem = layout_problem(layout, MOE, SEQ, 64, 1)
+        assert found_problem is None or found_problem[0] != "expert layout", layout.label()
+    valid = [x for x in found if layout_problem(x, MOE, SEQ, 64, 1) is None]
+    assert {x.ep for x in valid} == {1, 2, 4, 8, 16}
+    for layout in base:
+        stage = layout.tp * layout.cp * layout.dp
+        variants = [
+            x for x in found if (x.tp, x.cp, x.pp, x.dp) == (layout.tp, layout.cp, layout.pp, layout.dp)
+        ]
+        expected = {(ep, None) for ep in (1, 2, 4, 8, 16) if stage % (ep * layout.tp) == 0}
+        if layout.tp > 1:
+            expected |= {(ep, 1) for ep in (1, 2, 4, 8, 16) if stage % ep == 0}
+        assert {(x.ep, x.etp) for x in variants} == expected, layout.label()
+        assert variants[0] == layout
+    assert Layout(1, 1, 1, 16, ep=16) in found and Layout(2, 1, 1, 8, ep=16, etp=1) in found
+    assert not any(x.ep == 16 and x.expert_tp == 2 for x in found)  # 32 ranks wider than a stage's 16
+
+
+def test_expert_layouts_skip_what_megatron_refuses() -> None:
+    """12 experts: EP 8 and 16 do not divide them; an expert width ETP 4 does not divide is only
+    laid out at ETP 1."""
+    twelve = dataclasses.replace(MOE, experts=12)
+    assert {x.ep for x in layouts(16, 8, twelve)} == {1, 2, 4}
+    narrow = dataclasses.replace(MOE, expert_ffn=6)  # 6 not divisible by ETP 4
+    variants = list(expert_layouts(Layout(4, 1, 1, 4), narrow))
+    assert variants[0] == Layout(4, 1, 1, 4)  # the plain layout always comes first
+    assert all(x.etp == 1 for x in variants[1:]) and {x.ep for x in variants[1:]} == {1, 2, 4, 8, 16}
+
+
+def test_a_dense_shape_s_layouts_are_unchanged() -> None:
+    """A dense shape gets the TP x CP x PP x DP enumeration itself, in its order, all at EP 1."""
+    for gpus in (1, 8, 16, 24):
+        plain = list(layouts(gpus, 8))
+        assert list(layouts(gpus, 8, DENSE)) == plain
+        assert all(x.ep == 1 and x.etp is None for x in plain)
+        assert list(Pins().layouts(gpus, 8, DENSE)) == list(Pins().layouts(gpus, 8))
+
+
+def test_ep_and_etp_pins() -> None:
+    """``Pins.ep``/``etp`` keep the expert layouts that meet them (``plan`` still refuses MoE
+    models and Megatron's expert flags); a dense model or an EP not dividing the experts is
+    refused before the search."""
+    pinned = list(Pins(tp=2, ep=4, etp=1).layouts(16, 8, MOE))
+    assert pinned and all((x.tp, x.ep, x.expert_tp) == (2, 4, 1) for x in pinned)
+    assert all(x.ep == 8 and x.expert_tp == x.tp for x in Pins(ep=8, etp=2).layouts(16, 8, MOE))
+    assert Pins(ep=4).pinned == ["--expert-model-parallel-size"]
+    with pytest.raises(PinError, match="mixture-of-experts"):
+        Pins(ep=2).check(DENSE, 16, 8)
+    with pytest.raises(PinError, match="does not divide the 16 experts"):
+        Pins(ep=3).check(MOE, 48, 8)
+    Pins(ep=1).check(DENSE, 16, 8)
+    Pins(ep=8, etp=1).check(MOE, 16, 8)
+    with pytest.raises(PinError, match="at least 1"):
+        Pins(ep=0)
+
+
+def test_search_over_a_moe_shape_considers_expert_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search reaches the expert layouts (``plan`` itself still refuses MoE models)."""
+    problem = Problem(MOE, SEQ, 16, H100, 64)
+    seen: list[Layout] = []
+
+    def spy(layout, *args):
+        seen.append(layout)
+        return layout_problem(layout, *args)
+
+    monkeypatch.setattr(search_module, "layout_problem", spy)
+    result = search_module.search(problem, top=3, schedules=["1f1b"], max_simulations=20)
+    assert seen == list(Pins().layouts(16, 8, MOE))
+    assert result.plans

@@ -19,7 +19,7 @@ defaults to the TP size (``--expert-tensor-parallel-size``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..schedule.layer_split import uneven_splits
 from ..schedule.memory_model import ParallelError, Parallelism, check_experts, tp_indivisible
@@ -152,9 +152,38 @@ def layout_problem(
     return None
 
 
-def layouts(gpus: int, gpus_per_node: int) -> Iterator[Layout]:
-    """Every factorisation of ``gpus`` into TP x CP x PP x DP."""
+def expert_layouts(layout: Layout, shape: ModelShape) -> Iterator[Layout]:
+    """``layout`` (EP 1, ETP = TP) and then, for a mixture-of-experts ``shape``, every EP that
+    divides the experts and the stage's TP x CP x DP ranks, with ETP = TP and, where it differs,
+    ETP = 1 (megatron-core's common "MoE parallel folding" choice), EP 1 first; the expert
+    variants megatron-core would refuse (``check_experts``: ETP not dividing the experts' width,
+    EP x ETP not dividing the stage's ranks) are skipped. A dense shape yields ``layout`` alone."""
+    yield layout
+    if not shape.experts:
+        return
+    stage = layout.tp * layout.cp * layout.dp
+    for ep in divisors(stage):
+        if shape.experts % ep:
+            continue
+        for etp in (None, 1) if layout.tp > 1 else (None,):
+            if (ep, etp) == (1, None) or stage % (ep * (layout.tp if etp is None else etp)):
+                continue
+            variant = replace(layout, ep=ep, etp=etp)
+            try:
+                check_experts(shape, variant.parallel)
+            except ParallelError:
+                continue
+            yield variant
+
+
+def layouts(gpus: int, gpus_per_node: int, shape: ModelShape | None = None) -> Iterator[Layout]:
+    """Every factorisation of ``gpus`` into TP x CP x PP x DP; with a mixture-of-experts
+    ``shape``, each followed by its expert layouts (:func:`expert_layouts`)."""
     for t in divisors(gpus):
         for c in divisors(gpus // t):
             for p in divisors(gpus // (t * c)):
-                yield Layout(t, c, p, gpus // (t * c * p), gpus_per_node)
+                layout = Layout(t, c, p, gpus // (t * c * p), gpus_per_node)
+                if shape is None:
+                    yield layout
+                else:
+                    yield from expert_layouts(layout, shape)

@@ -49,6 +49,8 @@ class Pins:
     tp: int | None = None
     cp: int | None = None
     pp: int | None = None
+    ep: int | None = None  # --expert-model-parallel-size (a mixture-of-experts model's)
+    etp: int | None = None  # --expert-tensor-parallel-size
     vpp: int | None = None  # --num-virtual-stages-per-pipeline-rank (or --pp-chunks)
     layers_per_virtual_stage: int | None = None  # --num-layers-per-virtual-pipeline-stage
     sequence_parallel: bool | None = None
@@ -74,7 +76,8 @@ class Pins:
 
     def __post_init__(self) -> None:
         for name in (
-            "tp", "cp", "pp", "vpp", "layers_per_virtual_stage", "slices", "recompute_layers", "micro_batch"
+            "tp", "cp", "pp", "ep", "etp", "vpp", "layers_per_virtual_stage", "slices", "recompute_layers",
+            "micro_batch",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -95,6 +98,8 @@ class Pins:
             "tp": "--tensor-model-parallel-size",
             "cp": "--context-parallel-size",
             "pp": "--pipeline-model-parallel-size",
+            "ep": "--expert-model-parallel-size",
+            "etp": "--expert-tensor-parallel-size",
             "vpp": "--num-virtual-stages-per-pipeline-rank",
             "layers_per_virtual_stage": "--num-layers-per-virtual-pipeline-stage",
             "sequence_parallel": "--sequence-parallel",
@@ -112,7 +117,8 @@ class Pins:
     @property
     def pinned(self) -> list[str]:
         """The flags that pin something (for the title of the answer)."""
-        names = ("tp", "cp", "pp", "vpp", "layers_per_virtual_stage", "schedule", "slices", "micro_batch")
+        names = ("tp", "cp", "pp", "ep", "etp", "vpp", "layers_per_virtual_stage", "schedule", "slices")
+        names += ("micro_batch",)
         names += ("sequence_parallel", "distributed_optimizer", "recompute", "offload", "vocab")
         return [self.flag(n) for n in names if getattr(self, n) is not None]
 
@@ -134,6 +140,14 @@ class Pins:
                     self.flag("tp"),
                     f"{self.flag('tp')} {self.tp} is wider than a node of {gpus_per_node} GPUs",
                 )
+        for name in ("ep", "etp"):
+            size = getattr(self, name)
+            if size is not None and not shape.experts and (name == "etp" or size != 1):
+                raise PinError(self.flag(name), f"{self.flag(name)} needs a mixture-of-experts model")
+        if self.ep is not None and shape.experts and shape.experts % self.ep:
+            raise PinError(
+                self.flag("ep"), f"{self.flag('ep')} {self.ep} does not divide the {shape.experts} experts"
+            )
         fixed = [(n, getattr(self, n)) for n in ("tp", "cp", "pp") if getattr(self, n) is not None]
         product = 1
         for _, size in fixed:
@@ -228,10 +242,14 @@ class Pins:
 
     # ---- in the search ---------------------------------------------------------------------------
 
-    def layouts(self, gpus: int, gpus_per_node: int) -> Iterator[Layout]:
-        """The layouts of ``gpus`` that meet the TP/CP/PP pins, with the SP and optimizer pins."""
-        for layout in layouts(gpus, gpus_per_node):
-            if any(getattr(self, n) not in (None, getattr(layout, n)) for n in ("tp", "cp", "pp")):
+    def layouts(self, gpus: int, gpus_per_node: int, shape: ModelShape | None = None) -> Iterator[Layout]:
+        """The layouts of ``gpus`` that meet the TP/CP/PP pins, with the SP and optimizer pins;
+        with a mixture-of-experts ``shape`` also its expert layouts that meet the EP/ETP pins
+        (:func:`layout.expert_layouts`)."""
+        for layout in layouts(gpus, gpus_per_node, shape):
+            if any(getattr(self, n) not in (None, getattr(layout, n)) for n in ("tp", "cp", "pp", "ep")):
+                continue
+            if self.etp not in (None, layout.expert_tp):
                 continue
             yield replace(
                 layout,

@@ -2,7 +2,8 @@
 
 1. Layouts: every TP x CP x PP x DP factorisation of the GPU count that Megatron accepts for the
    model, sequence and batch (``layout.layout_problem``), and whose weights, gradients and
-   optimizer state fit at all.
+   optimizer state fit at all; for a mixture-of-experts model each also with every expert layout
+   (EP dividing the experts, ETP = TP or 1: ``layout.expert_layouts``).
 2. Pipeline choices per layout: each schedule with its chunk counts (even layer splits, and
    Megatron's uneven ones where the layers do not divide or where one beats the even split with
    the output layer on the last rank: ``layer_split.uneven_splits``), slice
@@ -399,7 +400,7 @@ def search(
     state = _Search(problem, top, progress, pins)
     result = state.result
     options = pins.candidate_options()
-    for layout in pins.layouts(problem.gpus, problem.gpus_per_node):
+    for layout in pins.layouts(problem.gpus, problem.gpus_per_node, problem.shape):
         found = layout_problem(
             layout, problem.shape, problem.seq_length, problem.global_batch, pins.micro_batch or 1
         )
