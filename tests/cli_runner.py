@@ -22,7 +22,9 @@ from collections.abc import Mapping, Sequence
 from dist_utils import warm_context
 
 
-def _command(args: list[str], env: dict[str, str] | None, cwd: str | None, out: str, err: str) -> None:
+def _command(
+    args: list[str], env: dict[str, str] | None, cwd: str | None, out: str, err: str, status: str
+) -> None:
     if cwd is not None:
         os.chdir(cwd)
     if env is not None:
@@ -45,6 +47,8 @@ def _command(args: list[str], env: dict[str, str] | None, cwd: str | None, out: 
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    with open(status, "w") as handle:  # the forkserver may lose the status under load (it says 255)
+        handle.write(str(code))
     os._exit(code)
 
 
@@ -58,11 +62,19 @@ def run_cli(
     args = [str(arg) for arg in args]
     with tempfile.TemporaryDirectory(prefix="cli-") as scratch:
         out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
+        status = os.path.join(scratch, "status")
         for path in (out, err):
             open(path, "w").close()
         process = warm_context().Process(
             target=_command,
-            args=(args, None if env is None else dict(env), None if cwd is None else str(cwd), out, err),
+            args=(
+                args,
+                None if env is None else dict(env),
+                None if cwd is None else str(cwd),
+                out,
+                err,
+                status,
+            ),
             daemon=False,
         )
         process.start()
@@ -71,7 +83,9 @@ def run_cli(
             process.kill()
             process.join()
             raise subprocess.TimeoutExpired(["megatron-pp-ext", *args], timeout)
+        code = process.exitcode
+        if os.path.exists(status):  # the command's own status, as it exited
+            with open(status) as handle:
+                code = int(handle.read())
         with open(out) as stdout, open(err) as stderr:
-            return subprocess.CompletedProcess(
-                ["megatron-pp-ext", *args], process.exitcode, stdout.read(), stderr.read()
-            )
+            return subprocess.CompletedProcess(["megatron-pp-ext", *args], code, stdout.read(), stderr.read())
