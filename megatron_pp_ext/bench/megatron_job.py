@@ -27,7 +27,7 @@ settings differ from Megatron-LM's: megatron-core's ``TransformerConfig`` assert
 for that field at construction, so it is set after construction on every chunk's config: the
 bench's chunks are fp32 (the combined schedule and the plan's nodes read no dtype field; their
 one cast, the loss's ``float16_to_fp32``, leaves fp32 as it is); and on CPU
-``cpu_shim.install_for_schedule_plans`` gives the schedule and the plan host streams and events,
+``cpu_shim.install`` gives the schedule and the plan host streams and events,
 where its communication nodes run in line, not beside the other microbatch's compute (its overlap
 needs CUDA streams; ours runs them on a thread), so on CPU its time shows the plan's cost, not
 its overlap.
@@ -77,9 +77,7 @@ class MegatronJob(ModuleJob):
 
         from ..megatron import cpu_shim, gloo_on_gpu
 
-        cpu_shim.install_for_schedules()  # nothing with CUDA
-        if pair.overlap:
-            cpu_shim.install_for_schedule_plans()
+        cpu_shim.install_for_schedules()  # nothing with CUDA (the schedule plan's streams too)
         if pair.offload_modules:  # read by the layers as they are built
             fields = dict(
                 fine_grained_activation_offloading=True,

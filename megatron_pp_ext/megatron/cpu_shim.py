@@ -43,12 +43,12 @@ events (``pipeline_parallel/utils.py``, ``models/common/model_chunk_schedule_pla
 on their inputs and gradients. Megatron's own combined 1F1B (``pipeline_parallel/combined_1f1b.py``,
 its interleaved schedule with ``overlap_moe_expert_parallel_comm``, which ``bench --against
 megatron`` runs) also puts its loss node on ``torch.cuda.current_stream()``.
-:func:`install_for_schedule_plans` (part of :func:`install`: the runtime, below the adapter,
-cannot call it) gives those four modules a view of ``torch`` whose ``cuda``
-has host streams and events (no-ops: host work is in order) and no-op NVTX ranges, and makes
-``record_stream`` a no-op for host tensors (a CPU-only torch has no other kind, and there the
-call always raised). The overlap itself comes from our communication thread, not from these
-streams: on the host megatron-core's combined 1F1B runs its nodes one after the other.
+:func:`install` (the runtime, below the adapter, cannot call the shim) gives those four
+modules a view of ``torch`` whose ``cuda`` has host streams and events (no-ops: host work is in
+order) and no-op NVTX ranges, and makes ``record_stream`` a no-op for host tensors (a CPU-only
+torch has no other kind, and there the call always raised). The overlap itself comes from our
+communication thread, not from these streams: on the host megatron-core's combined 1F1B runs its
+nodes one after the other.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ import torch
 
 _installed = False
 _schedules_installed = False
-_plans_installed = False
 
 
 def cpu_device() -> torch.device:
@@ -78,8 +77,8 @@ def install() -> bool:
         torch.cuda.current_device = cpu_device  # type: ignore[assignment]
         megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         _install_host_streams_for_alltoall()
+        _install_host_schedule_plans()
         _installed = True
-        install_for_schedule_plans()
     return True
 
 
@@ -146,42 +145,36 @@ def install_for_schedules() -> bool:
     return True
 
 
-def install_for_schedule_plans() -> bool:
-    """:func:`install`, plus megatron-core's fine-grained schedule plan on the host (the sixth
-    place of the module docstring). Returns whether it is in effect."""
-    global _plans_installed
-    if not install():
-        return False
-    if not _plans_installed:
-        from megatron.core.models.common import model_chunk_schedule_plan
-        from megatron.core.models.gpt import fine_grained_callables
-        from megatron.core.pipeline_parallel import combined_1f1b, utils
+def _install_host_schedule_plans() -> None:
+    """megatron-core's fine-grained schedule plan on the host (the sixth place of the module
+    docstring); part of :func:`install`."""
+    from megatron.core.models.common import model_chunk_schedule_plan
+    from megatron.core.models.gpt import fine_grained_callables
+    from megatron.core.pipeline_parallel import combined_1f1b, utils
 
-        nvtx = types.SimpleNamespace(
-            range_push=lambda *args, **kwargs: None,
-            range_pop=lambda *args, **kwargs: None,
-            range=lambda *args, **kwargs: contextlib.nullcontext(),
-        )
-        cuda = module_view(
-            torch.cuda,
-            Stream=lambda *args, **kwargs: _HOST_STREAM,
-            Event=lambda *args, **kwargs: _HOST_STREAM,
-            current_stream=lambda *args, **kwargs: _HOST_STREAM,
-            stream=lambda stream: contextlib.nullcontext(),
-            nvtx=nvtx,
-        )
-        view = module_view(torch, cuda=cuda)
-        for module in (utils, model_chunk_schedule_plan, fine_grained_callables, combined_1f1b):
-            module.torch = view  # type: ignore[attr-defined]
-        record_stream = torch.Tensor.record_stream
+    nvtx = types.SimpleNamespace(
+        range_push=lambda *args, **kwargs: None,
+        range_pop=lambda *args, **kwargs: None,
+        range=lambda *args, **kwargs: contextlib.nullcontext(),
+    )
+    cuda = module_view(
+        torch.cuda,
+        Stream=lambda *args, **kwargs: _HOST_STREAM,
+        Event=lambda *args, **kwargs: _HOST_STREAM,
+        current_stream=lambda *args, **kwargs: _HOST_STREAM,
+        stream=lambda stream: contextlib.nullcontext(),
+        nvtx=nvtx,
+    )
+    view = module_view(torch, cuda=cuda)
+    for module in (utils, model_chunk_schedule_plan, fine_grained_callables, combined_1f1b):
+        module.torch = view  # type: ignore[attr-defined]
+    record_stream = torch.Tensor.record_stream
 
-        def host_record_stream(tensor: torch.Tensor, stream: object) -> None:
-            if tensor.device.type != "cpu":
-                record_stream(tensor, stream)
+    def host_record_stream(tensor: torch.Tensor, stream: object) -> None:
+        if tensor.device.type != "cpu":
+            record_stream(tensor, stream)
 
-        torch.Tensor.record_stream = host_record_stream  # type: ignore[method-assign]
-        _plans_installed = True
-    return True
+    torch.Tensor.record_stream = host_record_stream  # type: ignore[method-assign]
 
 
 def module_view(module: types.ModuleType, **replaced: object) -> types.ModuleType:
