@@ -167,16 +167,13 @@ def _check_timeline_args(args: Any) -> None:
     path = getattr(args, "pp_timeline", None)
     if not path:
         return
-    if not path.endswith(".json"):
-        raise OptionError(f"{path}: give a .json file (the picture goes beside it)", "--pp-timeline")
+    from ..runtime.timeline import window_refusal
+
     start, end = getattr(args, "profile_step_start", 10), getattr(args, "profile_step_end", 12)
-    iterations = getattr(args, "train_iters", None)
-    if not 0 <= start < end or (iterations is not None and end >= iterations):
-        raise OptionError(
-            f"the window --profile-step-start {start} .. --profile-step-end {end} must lie inside the run "
-            f"and end before --train-iters {iterations} (the files are written at the next step)",
-            "--profile-step-end",
-        )
+    refusal = window_refusal(path, start, end, getattr(args, "train_iters", None), written_after=True)
+    if refusal is not None:
+        flag, why = refusal
+        raise OptionError(why, flag)
 
 
 def _check_pairing_args(args: Any, chunks: int) -> None:

@@ -167,6 +167,26 @@ class OpRanges(StepFeature):
             self.after(-1, None)  # type: ignore[arg-type]
 
 
+def window_refusal(
+    path: str | None, start: int, end: int, iterations: int | None = None, written_after: bool = False
+) -> tuple[str, str] | None:
+    """(flag, why) where ``--pp-timeline`` and Megatron's profiling window cannot be honoured,
+    else None: train's checks, pretrain_gpt.py's parser and the recorder itself ask this.
+    ``written_after``: the files are written at the step after the window (the hook under
+    Megatron-LM's loop), so the window must end before ``iterations``."""
+    if path is not None and not path.endswith(".json"):
+        return "--pp-timeline", f"{path}: give a .json file (the picture goes beside it)"
+    if not 0 <= start < end:
+        return "--profile-step-end", f"{end} must be above --profile-step-start {start} (>= 0)"
+    if iterations is not None and (end >= iterations if written_after else end > iterations):
+        after = " and end before it (the files are written at the next step)" if written_after else ""
+        return (
+            "--profile-step-end",
+            f"{end}: the profiling window must lie inside --train-iters {iterations}{after}",
+        )
+    return None
+
+
 class TimelineRecorder:
     """Which training steps are recorded (Megatron's profiling window), and the files after it.
 
@@ -175,17 +195,15 @@ class TimelineRecorder:
     training steps ``start + 1`` .. ``end`` (1-based) are recorded."""
 
     def __init__(self, path: str, start: int, end: int) -> None:
-        if not path.endswith(".json"):
-            raise ValueError(f"--pp-timeline {path}: give a .json file (the picture goes beside it, as .png)")
-        if end <= start or start < 0:
-            raise ValueError(
-                f"--profile-step-start {start} / --profile-step-end {end}: the window needs 0 <= start < end"
-            )
+        refusal = window_refusal(path, start, end)
+        if refusal is not None:
+            raise ValueError(": ".join(refusal))
         self.path, self.start, self.end = path, start, end
         self.done = 0  # training steps run
         self.records: list[StepRecord] = []
         self.written: str | None = None  # the files, once written (rank 0)
         self._current: StepTimeline | None = None
+        self._ready: tuple[Any, Schedule] | None = None  # the window is over: what flush writes
 
     def step_feature(self, runtime: Any, forward_only: bool) -> StepTimeline | None:
         """The feature for the step about to run (None: not recorded)."""
@@ -211,7 +229,7 @@ class TimelineRecorder:
     def flush(self) -> str | None:
         """After the window's last step (collective: every rank calls it at the same point), gather
         the records and write the files on rank 0; the picture's path there, else None."""
-        ready, self._ready = getattr(self, "_ready", None), None
+        ready, self._ready = self._ready, None
         if ready is None:
             return None
         self._write(*ready)

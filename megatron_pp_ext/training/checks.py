@@ -149,21 +149,15 @@ def _check_parallel(settings: TrainSettings, model: Any) -> None:
 
 def _check_profiling(settings: TrainSettings) -> None:
     """Megatron's profiling window and flags, and ``--pp-timeline``: each honoured or refused."""
+    from ..runtime.timeline import window_refusal
+
     options = settings.pipeline
-    start, end = options.profile_step_start, options.profile_step_end
-    profiling = options.timeline or options.op_ranges
-    if profiling and not 0 <= start < end:
-        raise UsageError("--profile-step-end", f"{end} must be above --profile-step-start {start} (>= 0)")
-    if profiling and end > settings.iterations:
-        raise UsageError(
-            "--profile-step-end",
-            f"{end}: the profiling window ends after --train-iters {settings.iterations}; "
-            "set --profile-step-start/--profile-step-end inside the run",
+    if options.timeline or options.op_ranges:
+        refusal = window_refusal(
+            options.timeline, options.profile_step_start, options.profile_step_end, settings.iterations
         )
-    if options.timeline and not options.timeline.endswith(".json"):
-        raise UsageError(
-            "--pp-timeline", f"{options.timeline}: give a .json file (the picture goes beside it)"
-        )
+        if refusal is not None:
+            raise UsageError(*refusal)
     if settings.use_pytorch_profiler and settings.tensorboard_dir is None:
         raise UsageError(
             "--use-pytorch-profiler", "writes its trace to --tensorboard-dir (as Megatron-LM): add it"
