@@ -91,9 +91,9 @@ def _title(result: SimResult) -> str:
     )
 
 
-def _time_scale(result: SimResult, time_unit: str) -> tuple[float, str]:
+def _time_scale(makespan: float, time_unit: str) -> tuple[float, str]:
     """Multiplier and axis label; seconds become milliseconds when the whole run is under 1 s."""
-    if time_unit == "s" and 0 < result.makespan < 1:
+    if time_unit == "s" and 0 < makespan < 1:
         return 1e3, "time (ms)"
     return 1.0, f"time ({time_unit})" if time_unit else "time"
 
@@ -119,7 +119,7 @@ def plot_timeline(
 
     schedule = result.schedule
     pp = schedule.pp
-    scale, xlabel = _time_scale(result, time_unit)
+    scale, xlabel = _time_scale(result.makespan, time_unit)
     makespan = result.makespan * scale or 1.0
 
     row_in, mem_in = 0.5, 0.4
@@ -273,7 +273,7 @@ def plot_comparison(
     import matplotlib.pyplot as plt
 
     horizon = max(result.makespan for _, result in results) or 1.0
-    scale, xlabel = _time_scale(SimResult(results[0][1].schedule, horizon, [], [], 1.0), "s")
+    scale, xlabel = _time_scale(horizon, "s")
     row_in, gap = 0.45, 1
     rows = sum(result.schedule.pp + gap for _, result in results) - gap
     height_in = 1.2 + rows * row_in + 0.3 * len(results)
