@@ -111,3 +111,23 @@ def vocab_setup_from(reference, model_cfg, chunks, placement, rank: int, variant
         output=reference.output_layer.weight.detach(),
     )
     return setup
+
+
+def megatron_reference(model_cfg, batches: list, microbatches: int) -> tuple:
+    """(model, gradients by name, losses) of megatron-core's schedule without a pipeline."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from megatron_pp_ext.megatron.model import build_reference
+
+    torch.manual_seed(1234)
+    reference = build_reference(model_cfg)
+    outputs = forward_backward_no_pipelining(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[reference],
+        num_microbatches=microbatches,
+        seq_length=model_cfg.seq_length,
+        micro_batch_size=2,
+    )
+    grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+    return reference, grads, loss_values(outputs)

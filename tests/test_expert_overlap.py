@@ -17,7 +17,7 @@ import pytest
 import torch
 from dist_utils import check_ok, run_ranks
 from exactness import check, check_worst, training_tolerance
-from runtime_case import forward_step, loss_values, make_batches, rel_error, tiny_model
+from runtime_case import forward_step, loss_values, make_batches, megatron_reference, rel_error, tiny_model
 
 PP, WORLD, MICROBATCHES = 2, 4, 5  # m not a multiple of p
 PAIRING = ["1f1b", "interleaved-1f1b", "zb-h2", "v-zb", "dualpipev"]
@@ -51,11 +51,10 @@ def _schedule(name: str, paired: bool):
 
 def overlap_worker(rank: int, world: int, names: list[str], nccl: list[str]) -> dict:
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
     from megatron_pp_ext.megatron import cpu_shim
-    from megatron_pp_ext.megatron.model import build_chunks_from, build_reference, init_parallel_state
+    from megatron_pp_ext.megatron.model import build_chunks_from, init_parallel_state
     from megatron_pp_ext.runtime.executor import PipelineRuntime
     from megatron_pp_ext.runtime.p2p import PipeComm
 
@@ -76,19 +75,7 @@ def overlap_worker(rank: int, world: int, names: list[str], nccl: list[str]) -> 
         m = schedule.microbatches
         if m not in references:
             batches = make_batches(model_cfg, m, seed=100 + 10 * data_rank + m)
-            torch.manual_seed(1234)
-            reference = build_reference(model_cfg)
-            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
-            outputs = forward_backward_no_pipelining(
-                forward_step_func=forward_step,
-                data_iterator=iter(batches),
-                model=[reference],
-                num_microbatches=m,
-                seq_length=model_cfg.seq_length,
-                micro_batch_size=2,
-            )
-            grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
-            references[m] = (batches, reference, grads, loss_values(outputs))
+            references[m] = (batches, *megatron_reference(model_cfg, batches, m))
         batches, reference, ref_grads, ref_losses = references[m]
         chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, comms[False].rank)
         runtime = PipelineRuntime(

@@ -25,7 +25,7 @@ import pytest
 import torch
 from dist_utils import check_ok, run_ranks
 from exactness import check, check_worst, training_tolerance
-from runtime_case import forward_step, loss_values, make_batches, rel_error, tiny_model
+from runtime_case import forward_step, loss_values, make_batches, megatron_reference, rel_error, tiny_model
 
 SCHEDULES = ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "v-half", "v-zb", "dualpipev"]
 CASES = {
@@ -59,26 +59,6 @@ def _schedule(name: str, pp: int, microbatches: int):
     return generate(name, pp, max(microbatches, needed), vpp=spec.default_vpp, slices=1)
 
 
-def _megatron_reference(model_cfg, batches: list, microbatches: int) -> tuple:
-    """(model, gradients by name, losses) of megatron-core's schedule without a pipeline."""
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-
-    from megatron_pp_ext.megatron.model import build_reference
-
-    torch.manual_seed(1234)
-    reference = build_reference(model_cfg)
-    outputs = forward_backward_no_pipelining(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[reference],
-        num_microbatches=microbatches,
-        seq_length=model_cfg.seq_length,
-        micro_batch_size=2,
-    )
-    grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
-    return reference, grads, loss_values(outputs)
-
-
 def moe_worker(rank: int, world: int, microbatches: int) -> dict:
     from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
@@ -100,7 +80,7 @@ def moe_worker(rank: int, world: int, microbatches: int) -> dict:
         m = schedule.microbatches
         if m not in references:
             batches = make_batches(model_cfg, m, seed=100 + m)
-            references[m] = (batches, *_megatron_reference(model_cfg, batches, m))
+            references[m] = (batches, *megatron_reference(model_cfg, batches, m))
         batches, reference, ref_grads, ref_losses = references[m]
         chunks, names_of = build_chunks_from(reference, model_cfg, schedule.placement, rank)
         runtime = PipelineRuntime(
@@ -138,7 +118,7 @@ def _sliced_run(model_cfg, world, microbatches, references, comm, rank, name, sl
     m = schedule.microbatches
     if m not in references:
         batches = make_batches(model_cfg, m, seed=100 + m)
-        references[m] = (batches, *_megatron_reference(model_cfg, batches, m))
+        references[m] = (batches, *megatron_reference(model_cfg, batches, m))
     batches, reference, ref_grads, ref_losses = references[m]
     slice_routers = sliced_module.slice_routers
     if label == PER_SLICE:
