@@ -149,10 +149,10 @@ def _check_parallel(settings: TrainSettings, model: Any) -> None:
 
 def _check_profiling(settings: TrainSettings) -> None:
     """Megatron's profiling window and flags, and ``--pp-timeline``: each honoured or refused."""
-    from ..runtime.timeline import window_refusal
-
     options = settings.pipeline
     if options.timeline or options.op_ranges:
+        from ..runtime.timeline import window_refusal  # torch only when profiling is asked for
+
         refusal = window_refusal(
             options.timeline, options.profile_step_start, options.profile_step_end, settings.iterations
         )
