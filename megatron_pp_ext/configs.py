@@ -109,6 +109,8 @@ def experts(config: dict[str, Any]) -> dict[str, Any]:
         "moe_layer_freq": tuple(freq) if isinstance(freq, list) else freq,
         "capacity_factor": extra.get("moe_expert_capacity_factor"),
         "pad_to_capacity": padded,
+        "router_groups": extra.get("moe_router_num_groups") or 0,
+        "router_group_topk": extra.get("moe_router_group_topk") or 0,
     }
 
 
@@ -124,6 +126,14 @@ def refuse_experts(config: dict[str, Any], command: str) -> None:
         )
 
 
+def head_dim(config: dict[str, Any]) -> int:
+    """Per-head width: the model section's ``extra.kv_channels`` (megatron-core's name, Qwen3's
+    128 at hidden 2048 with 32 heads), or the hidden size over the heads."""
+    model = model_section(config)
+    extra = (config.get("model") or {}).get("extra") or {}
+    return int(extra.get("kv_channels") or model["hidden_size"] // model["num_attention_heads"])
+
+
 def shape(name: str, config: dict[str, Any] | None = None) -> ModelShape:
     """The schedule core's ModelShape of config ``name`` (FLOP and memory models), with its
     experts when it has them."""
@@ -135,7 +145,7 @@ def shape(name: str, config: dict[str, Any] | None = None) -> ModelShape:
         hidden=model["hidden_size"],
         heads=model["num_attention_heads"],
         kv_heads=model["num_kv_heads"],
-        head_dim=model["hidden_size"] // model["num_attention_heads"],
+        head_dim=head_dim(config),
         ffn=model["ffn_hidden_size"],
         vocab=model["vocab_size"],
         gated=model["activation"] == "swiglu",

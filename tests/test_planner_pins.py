@@ -129,7 +129,16 @@ def test_from_args_that_cannot_run_is_refused_in_one_line(
         ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096", "--vocab-size"),
         ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --vocab-size 32000", "--seq-length"),
         ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 --vocab-size 32000 "
-         "--num-experts 8", "--num-experts"),
+         "--moe-router-topk 2", "--moe-router-topk"),
+        ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 --vocab-size 32000 "
+         "--num-experts 8 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
+         "--moe-token-dispatcher-type"),
+        ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 --vocab-size 32000 "
+         "--num-experts 8 --moe-layer-freq '([0]*2+[1]*2)'", "--moe-layer-freq"),
+        ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 --vocab-size 32000 "
+         "--num-experts 8 --moe-layer-freq '__import__(\"os\")'", "--moe-layer-freq"),
+        ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 --vocab-size 32000 "
+         "--num-experts 8 --moe-router-topk 9", "--num-experts"),
         ("--num-layers $L --hidden-size 4096", "--from-args"),
         ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 "
          "--vocab-size 32000", "--gpus"),

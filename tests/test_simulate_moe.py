@@ -1,6 +1,6 @@
 """Mixture-of-experts layers in the schedule core's FLOP and memory models and in ``simulate
 --model``: hand-computed activated FLOPs, expert weights split by EP, the per-stage mix of MoE and
-dense layers that ``moe_layer_freq`` gives, and the CLI (``plan`` still refuses experts)."""
+dense layers that ``moe_layer_freq`` gives, and the CLI (``plan`` for MoE: tests/test_plan_moe.py)."""
 
 from __future__ import annotations
 
@@ -250,12 +250,6 @@ def test_simulate_refuses_ep_not_dividing_the_experts_in_one_line() -> None:
     assert len(err.strip().splitlines()) == 1 and "--expert-model-parallel-size" in err
     code, _, err = cli("simulate", "--expert-model-parallel-size", "2")
     assert code == 2 and "--model" in err
-
-
-def test_plan_still_refuses_an_moe_config() -> None:
-    code, _, err = cli("plan", "--gpus", "8", "--model", "tiny-deepseek")
-    assert code == 2 and "--model" in err and "mixture-of-experts" in err
-    assert len(err.strip().splitlines()) == 1
 
 
 # ---- the expert all-to-all (issue #46) -----------------------------------------------------

@@ -16,9 +16,10 @@ import time
 from typing import Any
 
 from ..planner import devices
+from ..planner.costs import DISPATCHERS
 from ..planner.emit import megatron_flags, parallel_flags, sbatch
 from ..planner.megatron_args import ArgsError, read_args, read_sbatch
-from ..planner.model import SHAPE_FLAGS, ModelError, resolve
+from ..planner.model import MOE_FLAGS, MOE_FREQ_FLAG, SHAPE_FLAGS, ModelError, resolve
 from ..planner.pins import PinError, Pins
 from ..planner.predict import predict_and_compare
 from ..planner.report import prediction, summary
@@ -83,10 +84,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     pins.add_argument("--pp-schedule", choices=list(SCHEDULES))
     pins.add_argument("--pp-offload", choices=("none", "auto", "full", "selective"))
     pins.add_argument("--pp-vocab-parallel", choices=("none", "vocab-1", "vocab-2"))
+    pins.add_argument("--expert-model-parallel-size", type=int, help="EP (a mixture-of-experts model's)")
+    pins.add_argument(
+        "--expert-tensor-parallel-size", type=int, help="expert TP (default: searched, TP or 1)"
+    )
+    pins.add_argument(
+        "--overlap-moe-expert-parallel-comm",
+        action="store_true",
+        default=None,
+        help="overlapped F&B pairs hiding the expert all-to-all (default: searched, with and without)",
+    )
     shape = parser.add_argument_group("Megatron's shape flags (override the model's)")
-    for flag in SHAPE_FLAGS:
+    for flag in (*SHAPE_FLAGS, *MOE_FLAGS):
         shape.add_argument(flag, type=int, default=None)
     shape.add_argument("--swiglu", action="store_true", default=None, help="SwiGLU MLP (three matrices)")
+    shape.add_argument(MOE_FREQ_FLAG, help="MoE layers: every N-th, or a pattern such as ([0]*3+[1]*58)")
+    moe = parser.add_argument_group("mixture of experts: how the run computes and routes")
+    moe.add_argument(
+        "--moe-token-dispatcher-type",
+        choices=DISPATCHERS,
+        help="alltoall (default) or flex (DeepEP / HybridEP: one cross-node copy per destination node)",
+    )
+    moe.add_argument(
+        "--fp8-format",
+        choices=("e4m3", "hybrid"),
+        help="the linear layers in FP8 at the GPU's FP8 throughput (attention and router in BF16)",
+    )
+    moe.add_argument(
+        "--pp-moe-imbalance",
+        type=float,
+        default=1.0,
+        help="the busiest expert rank's routed tokens over the balanced share (default 1: balanced, "
+        "as published MoE benchmarks force it); scales its expert GEMMs, all-to-all and routed activations",
+    )
     parser.set_defaults(run=run)
 
 
@@ -96,6 +126,12 @@ def run(args: argparse.Namespace) -> int:
     if args.from_args is not None or args.from_sbatch is not None:
         return predict_run(args)
     problem, spec = problem_from_args(args)
+    if args.emit == "sbatch" and spec.shape.experts:
+        raise UsageError(
+            "--emit",
+            f"{spec.name} is a mixture-of-experts model: launch.sh writes no expert flags yet; use --emit "
+            "flags (every Megatron flag of the plan, the experts' too)",
+        )
     pins = pins_from_args(args, problem)
     progress = Progress()
     result = search(
@@ -133,7 +169,9 @@ def problem_from_args(args: argparse.Namespace) -> tuple[Problem, Any]:
         raise UsageError(
             "--model", "which model? give a config name (e.g. llama2-70b), a YAML file or a preset"
         )
-    flags = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in SHAPE_FLAGS}
+    flags = {
+        flag: getattr(args, flag[2:].replace("-", "_")) for flag in (*SHAPE_FLAGS, *MOE_FLAGS, MOE_FREQ_FLAG)
+    }
     flags["--swiglu"] = args.swiglu
     try:
         spec = resolve(args.model, flags)
@@ -153,18 +191,58 @@ def problem_from_args(args: argparse.Namespace) -> tuple[Problem, Any]:
     if args.global_batch_size is not None and args.global_batch_size < 1:
         raise UsageError("--global-batch-size", f"must be at least 1, got {args.global_batch_size}")
     batch = args.global_batch_size or max(1, DEFAULT_TOKENS_PER_STEP // seq)
+    profile = profile_from_args(args)
     return (
         Problem(
             shape=spec.shape,
             seq_length=seq,
             gpus=args.gpus,
-            profile=profile_from_args(args),
+            profile=profile,
             global_batch=batch,
             gpus_per_node=min(gpus_per_node, args.gpus),
             completion=args.comm_completion,
+            **moe_options(args, spec.shape, profile),
         ),
         spec,
     )
+
+
+def moe_options(
+    args: argparse.Namespace,
+    shape: Any,
+    profile: devices.DeviceProfile,
+    dispatcher: str | None = None,
+    fp8: str | None = None,
+) -> dict[str, Any]:
+    """Problem's dispatcher, FP8 and imbalance from the flags (a --from-args line's own dispatcher
+    and FP8 format where given); a flag the model or GPU cannot honour is refused."""
+    fp8 = args.fp8_format or fp8
+    if fp8 and profile.fp8_peak_flops <= 0:
+        raise UsageError("--fp8-format", f"{profile.name} has no FP8 tensor cores (fp8_peak_flops 0)")
+    moe_given = [
+        flag
+        for flag, value in (
+            ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type),
+            ("--pp-moe-imbalance", args.pp_moe_imbalance != 1.0 or None),
+            ("--expert-model-parallel-size", getattr(args, "expert_model_parallel_size", None)),
+            ("--expert-tensor-parallel-size", getattr(args, "expert_tensor_parallel_size", None)),
+            ("--overlap-moe-expert-parallel-comm", getattr(args, "overlap_moe_expert_parallel_comm", None)),
+        )
+        if value is not None
+    ]
+    if moe_given and not shape.experts:
+        raise UsageError(
+            moe_given[0], f"{moe_given[0]} needs a mixture-of-experts model ({shape.name} is dense)"
+        )
+    if not args.pp_moe_imbalance >= 1.0:
+        raise UsageError(
+            "--pp-moe-imbalance", f"must be at least 1 (balanced routing), got {args.pp_moe_imbalance}"
+        )
+    return {
+        "dispatcher": args.moe_token_dispatcher_type or dispatcher or "alltoall",
+        "moe_imbalance": args.pp_moe_imbalance,
+        "fp8": fp8,
+    }
 
 
 def completion_note(problem: Problem) -> str:
@@ -201,14 +279,16 @@ def predict_run(args: argparse.Namespace) -> int:
             f"({'--gpus' if args.gpus else 'from the launcher'})",
         )
     batch = run.global_batch or run.micro_batch * gpus // model_parallel
+    profile = profile_from_args(args, run.cluster)
     problem = Problem(
         run.shape,
         run.seq_length,
         gpus,
-        profile_from_args(args, run.cluster),
+        profile,
         batch,
         gpus_per_node=per_node,
         completion=args.comm_completion,
+        **moe_options(args, run.shape, profile, run.dispatcher, run.fp8),
     )
     try:
         result = predict_and_compare(problem, pins, args.max_simulations, args.top)
@@ -265,6 +345,9 @@ def pins_from_args(args: argparse.Namespace, problem: Problem) -> Pins:
             vocab=args.pp_vocab_parallel,
             micro_batch=args.micro_batch_size,
             tp_comm_overlap=args.tp_comm_overlap,
+            ep=args.expert_model_parallel_size,
+            etp=args.expert_tensor_parallel_size,
+            pairs=args.overlap_moe_expert_parallel_comm,
             flags={"vpp": vpp_flag},
         )
         pins.check(problem.shape, problem.gpus, problem.gpus_per_node, problem.global_batch)

@@ -95,9 +95,11 @@ f_s the routed and shared experts' widths, EP and ETP the expert sizes of ``Layo
   permute and unpermute (reading and writing h each), four more launches in F (softmax, top-k,
   permute, unpermute), eight in B.
 
-Not modelled for MoE: DeepSeek-V3's node-limited routing (megatron-core's
-``moe_router_num_groups`` / ``moe_router_group_topk``, at most M nodes per token, which would cap
-D at M - 1 or M: ``ModelShape`` has no such field), FP8 dispatch, the router's auxiliary losses,
+Node-limited routing (megatron-core's ``moe_router_num_groups`` / ``moe_router_group_topk``, a
+token's experts from its best M groups): with one group per node of the EP group (DeepSeek-V3's
+8 groups on 8 nodes, M = 4) D = M (N-1)/N; other group counts are routed as uniform top-k.
+
+Not modelled for MoE: FP8 dispatch, the router's auxiliary losses,
 the dispatcher's token-count exchange, EP groups spread unevenly over nodes (ETP x EP neither a
 multiple nor a divisor of ``gpus_per_node``: the parts are averaged over the group's ranks).
 
@@ -112,7 +114,7 @@ from dataclasses import dataclass
 
 from ..schedule.flops import FlopCosts, head_activation_parts, layer_activation_parts
 from ..schedule.ir import Op, OpKind, Schedule
-from ..schedule.memory_model import padded_vocab, stage_moe_layers
+from ..schedule.memory_model import TokenBytes, padded_vocab, stage_moe_layers
 from ..schedule.models import ModelShape
 from ..schedule.partition import DEFAULT_UNIT, causal_pairs, slice_lengths
 from .devices import DeviceProfile
@@ -129,6 +131,19 @@ BACKWARD_KERNELS = 20
 MOE_FORWARD_KERNELS = 4  # router softmax, top-k, permute, unpermute (besides a dense layer's)
 MOE_BACKWARD_KERNELS = 8
 DISPATCHERS = ("alltoall", "flex")  # megatron-core's --moe-token-dispatcher-type, module docstring
+FP8_CAST_BYTES = 4  # per element cast to FP8: read 2 bytes, write row- and column-wise copies
+
+
+def expert_load(shape: ModelShape, imbalance: float) -> float:
+    """The busiest expert rank's routed copies over the balanced share: ``imbalance``, capped by
+    a capacity factor (each expert computes at most c x its share; padded to capacity every
+    expert computes exactly that, as ``routed_copies`` already counts)."""
+    if not shape.experts or shape.capacity_factor is None:
+        return imbalance if shape.experts else 1.0
+    if shape.pad_to_capacity:
+        return 1.0
+    c = shape.capacity_factor
+    return min(imbalance, c) / min(c, 1.0)
 
 
 @dataclass(frozen=True)
@@ -161,6 +176,8 @@ class PlanCosts:
         attention: str = "flash",
         vocab: str = "none",
         dispatcher: str = "alltoall",
+        fp8: bool = False,
+        imbalance: float = 1.0,
     ) -> None:
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -168,7 +185,13 @@ class PlanCosts:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+        if imbalance < 1:
+            raise ValueError(f"imbalance must be at least 1 (balanced routing), got {imbalance}")
+        if fp8 and profile.fp8_peak_flops <= 0:
+            raise ValueError(f"{profile.name} has no FP8 tensor cores")
         self.dispatcher = dispatcher
+        self.fp8 = fp8
+        self.expert_load = expert_load(shape, imbalance)
         parallel = layout.parallel
         unit = math.lcm(DEFAULT_UNIT, parallel.sequence_multiple)
         lengths = slice_lengths(
@@ -223,14 +246,34 @@ class PlanCosts:
         size = self._local_tokens(j) * s.hidden * s.bytes_per_element
         return self.kernels.collective(size, layout.tp, layout.tp_intra)
 
+    def _linear(self, m: float, n: float, k: float) -> float:
+        """A linear layer's GEMM: BF16, or FP8 under ``fp8`` (Transformer Engine's linears)."""
+        if self.fp8:
+            return self.kernels.gemm_fp8(m, n, k)
+        return self.kernels.gemm(m, n, k, self.shape.bytes_per_element)
+
+    def _fp8_casts(self, forward_inputs: float, backward_inputs: float) -> tuple[float, float]:
+        """(forward, backward) seconds of the casts to FP8 of the linears' inputs (F) and output
+        gradients (B), ``forward_inputs`` and ``backward_inputs`` elements: each read in 16 bits
+        and written in FP8 twice (row- and column-wise, the second for the weight gradient)."""
+        if not self.fp8:
+            return 0.0, 0.0
+        k = self.kernels
+        return k.memory(FP8_CAST_BYTES * forward_inputs), k.memory(FP8_CAST_BYTES * backward_inputs)
+
     def _layer_times(self, j: int) -> LayerTimes:
         s, t, k = self.shape, self.layout.tp, self.kernels
         n, e = self._local_tokens(j), s.bytes_per_element
+        up = s.ffn_matrices - 1
         gemm = (
-            k.gemm(n, (s.q_width + 2 * s.kv_width) / t, s.hidden, e)
-            + k.gemm(n, s.hidden, s.q_width / t, e)
-            + k.gemm(n, (s.ffn_matrices - 1) * s.ffn / t, s.hidden, e)
-            + k.gemm(n, s.hidden, s.ffn / t, e)
+            self._linear(n, (s.q_width + 2 * s.kv_width) / t, s.hidden)
+            + self._linear(n, s.hidden, s.q_width / t)
+            + self._linear(n, up * s.ffn / t, s.hidden)
+            + self._linear(n, s.hidden, s.ffn / t)
+        )
+        cast_f, cast_b = self._fp8_casts(
+            n * (2 * s.hidden + (s.q_width + s.ffn) / t),
+            n * (2 * s.hidden + (s.q_width + 2 * s.kv_width + up * s.ffn) / t),
         )
         attention_f, attention_b = self._attention_times(j)
         sp_split = t if self.layout.parallel.sp else 1
@@ -249,8 +292,8 @@ class PlanCosts:
             )
         else:
             forward_tp, backward_tp, fused_tp = 4 * tp, 4 * tp, 2 * tp + max(0.0, 4 * tp - 2 * gemm)
-        forward = gemm + attention_f + elementwise + forward_tp + cp + FORWARD_KERNELS * overhead
-        backward_common = attention_b + 2 * elementwise + cp + BACKWARD_KERNELS * overhead
+        forward = gemm + attention_f + elementwise + cast_f + forward_tp + cp + FORWARD_KERNELS * overhead
+        backward_common = attention_b + 2 * elementwise + cast_b + cp + BACKWARD_KERNELS * overhead
         backward = gemm + backward_common + backward_tp
         weight = gemm + weight_tp
         fused = 2 * gemm + backward_common + fused_tp
@@ -289,20 +332,16 @@ class PlanCosts:
 
     def tokens_per_expert(self, j: int = 0) -> float:
         """m_e: tokens each of this rank's local experts computes for slice j, n_own x k x EP x
-        ETP / E under balanced routing (module docstring)."""
+        ETP / E under balanced routing (module docstring), x ``expert_load`` on the busiest rank."""
         s, layout = self.shape, self.layout
         if not s.experts:
             return 0.0
-        return self._own_tokens(j) * s.routed_copies * layout.ep * layout.expert_tp / s.experts
+        balanced = self._own_tokens(j) * s.routed_copies * layout.ep * layout.expert_tp / s.experts
+        return balanced * self.expert_load
 
     def _grouped_gemm(self, groups: int, m: float, n: float, k: float) -> float:
-        """``groups`` GEMMs (m x k) @ (k x n) in one grouped kernel: each at the roofline
-        (``Kernels.gemm``), one launch."""
-        one = self.kernels.gemm(m, n, k, self.shape.bytes_per_element)
-        if one <= 0:
-            return 0.0
-        overhead = self.profile.kernel_overhead
-        return groups * (one - overhead) + overhead
+        """``groups`` GEMMs (m x k) @ (k x n) in one grouped kernel (``Kernels.grouped_gemm``)."""
+        return self.kernels.grouped_gemm(groups, m, n, k, self.fp8)
 
     def ep_node_ranks(self) -> list[int]:
         """EP ranks of one EP group on each node it spans (the group of rank 0: ETP x EP
@@ -316,9 +355,15 @@ class PlanCosts:
 
     def cross_nodes_per_token(self) -> float:
         """D: expected distinct other nodes a token's top-k reaches under uniform random routing,
-        averaged over the EP group's ranks (1 - C(E - E_n, k) / C(E, k) per node of E_n experts)."""
+        averaged over the EP group's ranks (1 - C(E - E_n, k) / C(E, k) per node of E_n experts).
+        Under node-limited routing with one router group per node (DeepSeek-V3: 8 groups on 8
+        nodes, the best 4 taken) a token reaches its M chosen groups, each holding one of its
+        copies: M (N-1)/N other nodes when the M are any of the N alike."""
         s, ep = self.shape, self.layout.ep
         counts = self.ep_node_ranks()
+        nodes = len(counts)
+        if s.router_groups and s.router_groups == nodes and len(set(counts)) == 1:
+            return s.router_group_topk * (nodes - 1) / nodes
         total = math.comb(s.experts, s.topk)
         reached = [1 - math.comb(s.experts - s.experts * c // ep, s.topk) / total for c in counts]
         return sum(c / ep * (sum(reached) - hit) for c, hit in zip(counts, reached, strict=True))
@@ -351,7 +396,8 @@ class PlanCosts:
         if inside + across <= 0:
             return 0.0
         k = self.kernels
-        return max(inside / k.link(True), across / k.link(False)) + self.profile.collective_latency
+        links = max(inside / k.link(True), across / k.link(False))
+        return links * self.expert_load + self.profile.collective_latency  # the busiest receiver
 
     def alltoall_seconds(self, j: int = 0) -> float:
         return self._alltoall[j]
@@ -361,19 +407,28 @@ class PlanCosts:
         s, layout, k = self.shape, self.layout, self.kernels
         t, etp, e = layout.tp, layout.expert_tp, s.bytes_per_element
         n, own = self._local_tokens(j), self._own_tokens(j)
-        copies = own * s.routed_copies  # routed copies this rank dispatches (and gets back)
+        # routed copies this rank dispatches (and gets back), x the busiest rank's load
+        copies = own * s.routed_copies * self.expert_load
         fs, fe, up = s.shared_expert_ffn, s.moe_ffn, s.ffn_matrices - 1
         dense_gemm = (
-            k.gemm(n, (s.q_width + 2 * s.kv_width) / t, s.hidden, e)
-            + k.gemm(n, s.hidden, s.q_width / t, e)
-            + k.gemm(own, s.experts, s.hidden, e)  # router
-            + (k.gemm(n, up * fs / t, s.hidden, e) + k.gemm(n, s.hidden, fs / t, e) if fs else 0.0)
+            self._linear(n, (s.q_width + 2 * s.kv_width) / t, s.hidden)
+            + self._linear(n, s.hidden, s.q_width / t)
+            + k.gemm(own, s.experts, s.hidden, e)  # router (16-bit under FP8 too)
+            + (self._linear(n, up * fs / t, s.hidden) + self._linear(n, s.hidden, fs / t) if fs else 0.0)
         )
         local, m = s.experts // layout.ep, self.tokens_per_expert(j)
         expert_gemm = self._grouped_gemm(local, m, up * fe / etp, s.hidden) + self._grouped_gemm(
             local, m, s.hidden, fe / etp
         )
         gemm = dense_gemm + expert_gemm
+        received = local * m  # routed copies this rank's experts compute
+        cast_f, cast_b = self._fp8_casts(
+            n * (s.hidden + s.q_width / t) + (n * (s.hidden + fs / t) if fs else 0.0)
+            + received * (s.hidden + fe / etp),
+            n * (s.hidden + (s.q_width + 2 * s.kv_width) / t)
+            + (n * (s.hidden + up * fs / t) if fs else 0.0)
+            + received * (s.hidden + up * fe / etp),
+        )  # fmt: skip
         attention_f, attention_b = self._attention_times(j)
         sp_split = t if layout.parallel.sp else 1
         activations = (3 if s.gated else 2) * (n * fs / t + copies * fe)
@@ -396,6 +451,7 @@ class PlanCosts:
             gemm
             + attention_f
             + elementwise
+            + cast_f
             + forward_tp
             + cp
             + exchange
@@ -404,6 +460,7 @@ class PlanCosts:
         backward_common = (
             attention_b
             + 2 * elementwise
+            + cast_b
             + cp
             + exchange
             + (BACKWARD_KERNELS + MOE_BACKWARD_KERNELS) * overhead
@@ -537,12 +594,22 @@ class PlanCosts:
         start = sum(self.layers[:stage])
         return sum(self.shape.moe_layers()[start : start + self.recomputed_layers(stage)])
 
+    def _routed_imbalance_bytes(self, op: Op) -> float:
+        """What the busiest rank keeps beyond balanced routing: (``expert_load`` - 1) x the routed
+        copies' activations of the stage's MoE layers (``FlopCosts`` counts them balanced)."""
+        if self.expert_load == 1.0 or not self.moe_layers[op.stage]:
+            return 0.0
+        parts = layer_activation_parts(self.shape, moe=True)
+        routed = TokenBytes(0.0, 0.0, parts.routed_outside, parts.routed_inside)
+        per_token = self.layout.parallel.activation(routed)
+        return (self.expert_load - 1) * self.moe_layers[op.stage] * per_token * self._tokens(op)
+
     def _activation_of(self, op: Op) -> float:
         full = self.base.activation(op) + self._cp_cache_bytes(op)
         if self.recompute == "none" and self.attention == "unfused":
             full += self.layers[op.stage] * UNFUSED_KEPT_BYTES * self._scores(op.slice)
         if self.recompute != "full":
-            return full
+            return full + self._routed_imbalance_bytes(op)
         layers = self.layers[op.stage]
         recomputed = self.recomputed_layers(op.stage)
         parallel = self.layout.parallel
@@ -561,7 +628,8 @@ class PlanCosts:
             body -= head
         else:
             head = 0.0
-        return body * kept + head + inputs * self._tokens(op) + self._cp_cache_bytes(op) * kept
+        extra = self._routed_imbalance_bytes(op) * kept
+        return body * kept + head + inputs * self._tokens(op) + self._cp_cache_bytes(op) * kept + extra
 
     def weight_share(self, op: Op) -> float:
         key = (op.stage, op.slice)

@@ -25,7 +25,11 @@ class DeviceProfile:
     bf16 GEMMs and flash attention sustain in training; ``nvlink_bandwidth`` and ``ib_bandwidth``
     are the bus bandwidths NCCL's collectives reach inside a node and across nodes (one NIC per
     GPU); ``reserved_bytes`` is device memory the model does not count (CUDA context, NCCL
-    buffers, allocator slack)."""
+    buffers, allocator slack). ``fp8_peak_flops`` and ``fp8_gemm_efficiency`` are the dense FP8
+    tensor-core peak and the share of it FP8 GEMMs sustain (Transformer Engine's linears under
+    ``--fp8-format``); 0 for a GPU without FP8 tensor cores. ``grouped_gemm_efficiency`` is the
+    share of that peak (BF16's, or FP8's under ``--fp8-format``) megatron-core's grouped expert
+    GEMMs sustain; 0 where no measurement is known (the dense GEMM's is used, and said)."""
 
     name: str
     memory_bytes: float
@@ -42,6 +46,9 @@ class DeviceProfile:
     collective_latency: float = 15e-6
     p2p_latency: float = 10e-6
     reserved_bytes: float = 3 * GIB
+    fp8_peak_flops: float = 0.0
+    fp8_gemm_efficiency: float = 0.0
+    grouped_gemm_efficiency: float = 0.0  # share of the peak (BF16 or FP8) grouped GEMMs sustain; 0: no data
     source: str = "built-in"
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,6 +70,11 @@ class DeviceProfile:
         for name in NUMERIC_FIELDS:
             if not float(getattr(profile, name)) > 0:
                 raise ValueError(f"profile field {name} must be positive, got {getattr(profile, name)}")
+        for name in FP8_FIELDS:
+            if not float(getattr(profile, name)) >= 0:
+                raise ValueError(
+                    f"profile field {name} must be 0 (no FP8) or positive, got {getattr(profile, name)}"
+                )
         return profile
 
     def perturbed(self, factors: dict[str, float]) -> DeviceProfile:
@@ -75,7 +87,8 @@ class DeviceProfile:
         return replace(self, **changes)
 
 
-NUMERIC_FIELDS = tuple(f.name for f in fields(DeviceProfile) if f.name not in ("name", "source"))
+FP8_FIELDS = ("fp8_peak_flops", "fp8_gemm_efficiency", "grouped_gemm_efficiency")  # 0: no FP8 / no data
+NUMERIC_FIELDS = tuple(f.name for f in fields(DeviceProfile) if f.name not in ("name", "source", *FP8_FIELDS))
 
 # Relative uncertainty each field is stated to have (docs/planner.md, "Uncertainty"). Datasheet
 # capacities and peaks are exact; efficiencies and achieved bandwidths are the guesses.
@@ -98,6 +111,18 @@ UNCERTAINTY: dict[str, float] = {
 # published runs.
 SUSTAINED = 0.85
 
+# Hopper's dense FP8 tensor-core peak (H100/H200 SXM datasheet: 1,979 TFLOP/s without sparsity,
+# twice BF16's) and the share of it the best measured FP8 GEMM reaches (1,453 TFLOP/s on an H200,
+# stas00/ml-engineering's table), derated like BF16's by SUSTAINED (docs/planner.md, "FP8").
+HOPPER_FP8_PEAK = 1978.9e12
+HOPPER_FP8_BEST = 0.734
+# Grouped expert GEMMs on Hopper, BF16 and FP8 alike: 63-66% of the BF16 peak for Qwen3-30B-A3B's
+# expert at 4,096 tokens per expert (Transformer Engine PR #2045, cuBLAS multi-stream and CUTLASS),
+# 61-68% on an H200 at 1,024-8,192 tokens (TileOPs PR #1567), 61-68% of the FP8 peak for
+# DeepSeek-V3's experts (DeepGEMM's contiguous layout); below ~2,000 tokens per expert less
+# (docs/planner.md, "Mixture of experts"). Derated by SUSTAINED like the dense GEMM.
+HOPPER_GROUPED_BEST = 0.645
+
 PROFILES: dict[str, DeviceProfile] = {
     "h100-80gb": DeviceProfile(
         name="h100-80gb",
@@ -111,6 +136,9 @@ PROFILES: dict[str, DeviceProfile] = {
         nvlink_bandwidth=360e9,
         ib_bandwidth=45e9,
         pcie_bandwidth=40e9,
+        fp8_peak_flops=HOPPER_FP8_PEAK,
+        fp8_gemm_efficiency=HOPPER_FP8_BEST * SUSTAINED,
+        grouped_gemm_efficiency=HOPPER_GROUPED_BEST * SUSTAINED,
     ),
     "h200-141gb": DeviceProfile(
         name="h200-141gb",
@@ -124,6 +152,9 @@ PROFILES: dict[str, DeviceProfile] = {
         nvlink_bandwidth=360e9,
         ib_bandwidth=45e9,
         pcie_bandwidth=40e9,
+        fp8_peak_flops=HOPPER_FP8_PEAK,
+        fp8_gemm_efficiency=HOPPER_FP8_BEST * SUSTAINED,
+        grouped_gemm_efficiency=HOPPER_GROUPED_BEST * SUSTAINED,
     ),
     "a100-80gb": DeviceProfile(
         name="a100-80gb",

@@ -41,6 +41,16 @@ def parallel_flags(plan: PlanResult) -> list[str]:
         "--micro-batch-size", str(c.micro_batch),
         "--global-batch-size", str(problem.global_batch),
     ]  # fmt: skip
+    if problem.shape.experts:
+        flags += [
+            "--expert-model-parallel-size", str(layout.ep),
+            "--expert-tensor-parallel-size", str(layout.expert_tp),
+            "--moe-token-dispatcher-type", problem.dispatcher,
+        ]  # fmt: skip
+        if c.pairs:
+            flags.append("--overlap-moe-expert-parallel-comm")
+    if problem.fp8:
+        flags += ["--fp8-format", problem.fp8]
     if layout.parallel.distributed_optimizer:
         flags += ["--use-distributed-optimizer", "--overlap-grad-reduce"]
         if c.overlap_param_gather:
@@ -82,6 +92,11 @@ def sbatch(spec: ModelSpec, plan: PlanResult, command: str) -> str:
     if spec.config is None:
         raise ValueError(
             f"{spec.name} is a preset, not a config: launch.sh needs a configs/ name or a YAML file"
+        )
+    if spec.shape.experts:
+        raise ValueError(
+            f"{spec.name} is a mixture-of-experts model: launch.sh writes no expert flags yet; "
+            "use --emit flags (every Megatron flag of the plan, the experts' too)"
         )
     c, layout, problem = plan.candidate, plan.candidate.layout, plan.problem
     nodes = max(1, problem.gpus // problem.gpus_per_node)

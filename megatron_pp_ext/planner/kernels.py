@@ -21,6 +21,7 @@ class Kernels:
         self.profile = profile
         self.gemm_flops = profile.peak_flops * profile.gemm_efficiency
         self.hbm = profile.hbm_bandwidth * profile.hbm_efficiency
+        self.fp8_flops = profile.fp8_peak_flops * profile.fp8_gemm_efficiency
 
     def gemm(self, m: float, n: float, k: float, element_bytes: int = 2) -> float:
         """An (m x k) @ (k x n) GEMM: 2mnk FLOPs, reading both operands and writing the result."""
@@ -28,6 +29,32 @@ class Kernels:
             return 0.0
         compute = 2.0 * m * n * k / self.gemm_flops
         traffic = element_bytes * (m * k + k * n + m * n) / self.hbm
+        return max(compute, traffic) + self.profile.kernel_overhead
+
+    def grouped_gemm(self, groups: int, m: float, n: float, k: float, fp8: bool = False) -> float:
+        """``groups`` GEMMs (m x k) @ (k x n) in one grouped kernel (megatron-core's expert GEMMs):
+        each a roofline at the profile's grouped-GEMM share of the peak (the dense GEMM's where
+        the profile has none), one launch."""
+        if min(groups, m, n, k) <= 0:
+            return 0.0
+        p = self.profile
+        share = p.grouped_gemm_efficiency or (p.fp8_gemm_efficiency if fp8 else p.gemm_efficiency)
+        peak = p.fp8_peak_flops if fp8 else p.peak_flops
+        operand = 1 if fp8 else 2
+        compute = 2.0 * m * n * k / (peak * share)
+        traffic = (operand * (m * k + k * n) + 2 * m * n) / self.hbm
+        return groups * max(compute, traffic) + p.kernel_overhead
+
+    def gemm_fp8(self, m: float, n: float, k: float) -> float:
+        """The same GEMM in FP8 (Transformer Engine's linears under ``--fp8-format``): FP8 operands
+        (1 byte), a 16-bit result, at the profile's FP8 throughput. The casts to FP8 are
+        bandwidth-bound kernels of their own (``PlanCosts``)."""
+        if min(m, n, k) <= 0:
+            return 0.0
+        if self.fp8_flops <= 0:
+            raise ValueError(f"{self.profile.name} has no FP8 tensor cores (fp8_peak_flops 0)")
+        compute = 2.0 * m * n * k / self.fp8_flops
+        traffic = (m * k + k * n + 2 * m * n) / self.hbm
         return max(compute, traffic) + self.profile.kernel_overhead
 
     def attention(self, flops: float, keys: float, backward: bool = False) -> float:

@@ -3,12 +3,14 @@
 layout choice, each pinned to what the line says or to Megatron's default where it says nothing.
 
 Only what the planner models is read; other flags are ignored. What changes the prediction but is
-not modelled (MoE, MTP layers, FP8) is refused or noted, never silently dropped.
+not modelled (MTP layers, multi-latent attention, node-limited routing, the allgather dispatcher)
+is refused or noted, never silently dropped.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import shlex
@@ -54,6 +56,8 @@ class Run:
     pins: Pins
     cluster: str | None = None  # "hopper" / "a100" when an sbatch dry run says
     notes: list[str] = field(default_factory=list)
+    dispatcher: str = "alltoall"  # --moe-token-dispatcher-type (alltoall or flex)
+    fp8: str | None = None  # --fp8-format: Transformer Engine's linears in FP8
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,13 +71,16 @@ def _parser() -> argparse.ArgumentParser:
         "--context-parallel-size", "--num-layers-per-virtual-pipeline-stage",
         "--num-virtual-stages-per-pipeline-rank", "--recompute-num-layers", "--pp-chunks", "--pp-seq-slices",
         "--num-experts", "--expert-model-parallel-size", "--decoder-first-pipeline-num-layers",
-        "--decoder-last-pipeline-num-layers",
+        "--decoder-last-pipeline-num-layers", "--moe-router-topk", "--moe-ffn-hidden-size",
+        "--moe-shared-expert-intermediate-size", "--expert-tensor-parallel-size", "--mtp-num-layers",
+        "--moe-router-num-groups", "--moe-router-group-topk",
     ):  # fmt: skip
         add(flag, type=int)
+    add("--moe-expert-capacity-factor", type=float)
     for flag in (
         "--tokenizer-type", "--merge-file", "--recompute-granularity", "--recompute-method", "--pp-schedule",
         "--pp-offload", "--pp-vocab-parallel", "--fp8-format", "--pipeline-model-parallel-layout",
-        "--attention-backend",
+        "--attention-backend", "--moe-layer-freq", "--moe-token-dispatcher-type",
     ):  # fmt: skip
         add(flag)
     for flag in (
@@ -81,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
         "--use-distributed-optimizer", "--tp-comm-overlap", "--overlap-grad-reduce",
         "--overlap-param-gather", "--accumulate-allreduce-grads-in-fp32",
         "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+        "--moe-pad-expert-input-to-capacity", "--overlap-moe-expert-parallel-comm",
+        "--multi-latent-attention", "--moe-grouped-gemm",
     ):  # fmt: skip
         add(flag, action="store_true")
     add("--rampup-batch-size", nargs=3)
@@ -132,27 +141,26 @@ def read_args(text: str) -> Run:
     args, _ = _parser().parse_known_args(argv)
     per_node, nodes = _launcher_gpus(launcher)
     notes: list[str] = []
-    for flag, value in (
-        ("--num-experts", args.num_experts),
-        ("--expert-model-parallel-size", args.expert_model_parallel_size),
-    ):
-        if value not in (None, 0, 1):
-            raise ArgsError(
-                flag, f"{flag} {value}: mixture-of-experts models are not modelled by the planner"
-            )
-    if args.fp8_format:
-        notes.append(
-            f"--fp8-format {args.fp8_format} is not modelled: predicted in BF16 (FP8 GEMMs would be faster)"
-        )
-    elif not (args.bf16 or args.fp16):
+    if args.fp8_format and not (args.bf16 or args.fp16):
+        notes.append(f"--fp8-format {args.fp8_format}: the rest of the model predicted in BF16")
+    elif not (args.bf16 or args.fp16 or args.fp8_format):
         notes.append(
             "no --bf16 or --fp16: Megatron trains in FP32; predicted in BF16 (FP32 is several times slower)"
+        )
+    if args.fp8_format:
+        notes.append(
+            f"--fp8-format {args.fp8_format}: the linear layers' GEMMs (experts' too) at the GPU's FP8 "
+            "throughput with their casts; attention, router and output layer in BF16"
         )
     if args.rampup_batch_size:
         notes.append("--rampup-batch-size: predicted at the full --global-batch-size")
     shape = _shape(args)
+    dispatcher = _moe_notes(args, shape, notes)
     seq = _required(args.seq_length, "--seq-length")
-    pins = _pins(args, shape)
+    mtp = args.mtp_num_layers or 0
+    if mtp:
+        shape = with_mtp_layers(shape, mtp)
+    pins = _pins(args, shape, mtp)
     return Run(
         shape=shape,
         seq_length=seq,
@@ -162,7 +170,103 @@ def read_args(text: str) -> Run:
         gpus_per_node=per_node,
         pins=pins,
         notes=notes,
+        dispatcher=dispatcher,
+        fp8=args.fp8_format,
     )
+
+
+MOE_ONLY = (
+    "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--moe-router-topk",
+    "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
+    "--moe-expert-capacity-factor", "--overlap-moe-expert-parallel-comm", "--moe-token-dispatcher-type",
+)  # fmt: skip
+
+
+def _moe_notes(args: argparse.Namespace, shape: ModelShape, notes: list[str]) -> str:
+    """The dispatcher of a mixture-of-experts line, and notes on what of it is not modelled;
+    MoE flags on a dense line are refused."""
+    if not shape.experts:
+        for flag in MOE_ONLY:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value not in (None, False) and not (flag == "--expert-model-parallel-size" and value == 1):
+                raise ArgsError(flag, f"{flag} needs --num-experts (the line describes a dense model)")
+        return "alltoall"
+    dispatcher = args.moe_token_dispatcher_type
+    ep = args.expert_model_parallel_size or 1
+    if dispatcher in (None, "allgather"):
+        if ep > 1 and dispatcher == "allgather":
+            raise ArgsError(
+                "--moe-token-dispatcher-type",
+                "the allgather dispatcher is not modelled (every rank gathers every token): "
+                "predict the line with alltoall or flex",
+            )
+        if ep > 1:
+            notes.append(
+                "no --moe-token-dispatcher-type: Megatron's default is allgather, which is not "
+                "modelled; predicted with alltoall"
+            )
+        dispatcher = "alltoall"
+    elif dispatcher not in ("alltoall", "flex"):
+        raise ArgsError("--moe-token-dispatcher-type", f"unknown dispatcher {dispatcher!r}: alltoall or flex")
+    if not args.moe_grouped_gemm:
+        notes.append(
+            "no --moe-grouped-gemm: Megatron runs the local experts one GEMM each; predicted as one "
+            "grouped GEMM"
+        )
+    if args.multi_latent_attention:
+        notes.append(
+            "--multi-latent-attention is not modelled: attention predicted as the heads, --kv-channels "
+            "and --num-query-groups of the line (MLA's low-rank projections and 192-wide QK are not)"
+        )
+    if args.moe_router_num_groups and args.moe_router_group_topk:
+        notes.append(
+            f"--moe-router-group-topk {args.moe_router_group_topk}: node-limited routing modelled only where "
+            f"its {args.moe_router_num_groups} groups are the EP group's nodes (else routed as uniform top-k)"
+        )
+    return dispatcher
+
+
+def with_mtp_layers(shape: ModelShape, mtp: int) -> ModelShape:
+    """``shape`` with its ``--mtp-num-layers`` as ``mtp`` more layers of the last layer's kind
+    (dense or MoE), as Megatron's FLOP count takes them; on the last pipeline stage (``_split``)."""
+    freq = shape.moe_layer_freq
+    if shape.experts and not isinstance(freq, int):
+        freq = (*freq, *[freq[-1]] * mtp)
+    elif shape.experts and freq != 1:
+        pattern = shape.moe_layers()
+        freq = (*[int(f) for f in pattern], *[int(pattern[-1])] * mtp)
+    return replace(shape, layers=shape.layers + mtp, moe_layer_freq=freq)
+
+
+def moe_layer_freq(text: str, layers: int) -> int | tuple[int, ...]:
+    """Megatron's ``--moe-layer-freq``: an integer N (every N-th layer from layer 0), or a list
+    expression of 0s and 1s such as ``([0]*3+[1]*58)``, evaluated without ``eval``: lists of
+    integers, ``+`` and ``*`` only."""
+    flag = "--moe-layer-freq"
+    if "[" not in text:
+        return _int(text, flag)
+
+    def value(node: ast.AST) -> int | list[int]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(item) for item in node.elts]
+            if all(isinstance(item, int) for item in items):
+                return items  # type: ignore[return-value]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right  # type: ignore[operator]
+        raise ValueError(ast.dump(node))
+
+    try:
+        pattern = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise ArgsError(
+            flag, f"{flag} {text!r}: give an integer or a list expression like ([0]*3+[1]*58)"
+        ) from None
+    if not isinstance(pattern, list) or len(pattern) != layers or set(pattern) - {0, 1}:
+        raise ArgsError(flag, f"{flag} {text!r} must give {layers} zeros (dense) and ones (MoE layers)")
+    return tuple(pattern)
 
 
 def _required(value: int | None, flag: str) -> int:
@@ -195,17 +299,32 @@ def _shape(args: argparse.Namespace) -> ModelShape:
         )
     if hidden % heads and not args.kv_channels:
         raise ArgsError("--num-attention-heads", f"{heads} heads do not divide --hidden-size {hidden}")
+    experts = args.num_experts or 0
+    moe: dict = {}
+    if experts:
+        moe = {
+            "experts": experts,
+            "topk": args.moe_router_topk or 2,  # Megatron's default
+            "expert_ffn": args.moe_ffn_hidden_size or 0,  # 0: --ffn-hidden-size, Megatron's default
+            "shared_expert_ffn": args.moe_shared_expert_intermediate_size or 0,
+            "moe_layer_freq": moe_layer_freq(args.moe_layer_freq or "1", layers),
+            "capacity_factor": args.moe_expert_capacity_factor,
+            "pad_to_capacity": bool(args.moe_pad_expert_input_to_capacity),
+            "router_groups": args.moe_router_num_groups or 0,
+            "router_group_topk": args.moe_router_group_topk or 0,
+        }
     try:
         return ModelShape(
             "the model of the command line", layers, hidden, heads, kv_heads,
             args.kv_channels or hidden // heads, ffn, vocab,
-            gated=bool(args.swiglu),
+            gated=bool(args.swiglu), **moe,
         )  # fmt: skip
     except ValueError as error:
-        raise ArgsError("--num-query-groups", str(error)) from None
+        flag = "--num-experts" if experts and "moe" in str(error) else "--num-query-groups"
+        raise ArgsError(flag, str(error)) from None
 
 
-def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
+def _pins(args: argparse.Namespace, shape: ModelShape, mtp: int = 0) -> Pins:
     """Every layout choice of the line, Megatron's defaults where it is silent."""
     pp = args.pipeline_model_parallel_size or 1
     vpp = _chunks(args, shape.layers, pp)
@@ -215,7 +334,7 @@ def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
     recompute_layers = None
     if recompute == "full" and args.recompute_method == "block":
         recompute_layers = args.recompute_num_layers or 1
-    layers = _split(args, shape.layers, pp, vpp)
+    layers = _split(args, shape.layers, pp, vpp, mtp)
     _check_layout_placement(args, schedule, pp, vpp)
     try:
         return Pins(
@@ -224,6 +343,9 @@ def _pins(args: argparse.Namespace, shape: ModelShape) -> Pins:
             tp=args.tensor_model_parallel_size or 1,
             cp=args.context_parallel_size or 1,
             pp=pp,
+            ep=args.expert_model_parallel_size if shape.experts else None,
+            etp=args.expert_tensor_parallel_size if shape.experts else None,
+            pairs=True if args.overlap_moe_expert_parallel_comm else None,
             vpp=vpp,
             sequence_parallel=bool(args.sequence_parallel),
             distributed_optimizer=bool(args.use_distributed_optimizer),
@@ -300,18 +422,24 @@ def _check_layout_placement(args: argparse.Namespace, schedule: str, pp: int, vp
         raise ArgsError(error.flag, str(error)) from None
 
 
-def _split(args: argparse.Namespace, layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
+def _split(args: argparse.Namespace, layers: int, pp: int, vpp: int, mtp: int = 0) -> tuple[int, ...] | None:
     """Layers of each virtual stage as megatron-core builds them under the line's split flags
     (``--decoder-first/last-pipeline-num-layers``, ``--account-for-embedding/loss-in-pipeline-split``,
     ``--pipeline-model-parallel-layout``); None when it has none (an even split)."""
     flags = LayerSplitFlags.from_args(args)
+    if mtp and flags.layout:  # the MTP layers (m) as decoder layers where the layout puts them
+        flags = replace(flags, layout=flags.layout.replace("m", "t"))
+    decoder = layers if flags.layout else layers - mtp
     try:
-        split = tuple(megatron_stage_layers(layers, pp, vpp, flags))
+        split = list(megatron_stage_layers(decoder, pp, vpp, flags))
     except SplitError as error:
-        options = uneven_splits(layers, pp, vpp) if flags.even else []
+        options = uneven_splits(decoder, pp, vpp) if flags.even else []
         hint = f"; Megatron splits them unevenly with {' '.join(split_flags(options[0]))}" if options else ""
         raise ArgsError(error.flag, f"{error}{hint}") from None
-    return None if flags.even else split
+    if mtp and not flags.layout:
+        split[-1] += mtp  # megatron-core builds the MTP block after the last stage's layers
+        return tuple(split)
+    return None if flags.even else tuple(split)
 
 
 def read_sbatch(path: str) -> Run:

@@ -8,6 +8,7 @@ from typing import Any
 
 from .. import configs
 from ..schedule.models import PRESETS, ModelShape
+from .megatron_args import ArgsError, moe_layer_freq
 
 # Megatron flag -> (ModelShape field, config model-section key)
 SHAPE_FLAGS = {
@@ -18,6 +19,48 @@ SHAPE_FLAGS = {
     "--ffn-hidden-size": ("ffn", "ffn_hidden_size"),
     "--vocab-size": ("vocab", "vocab_size"),
 }
+# Megatron's mixture-of-experts shape flag -> ModelShape field (a config's model.extra keys)
+MOE_FLAGS = {
+    "--num-experts": "experts",
+    "--moe-router-topk": "topk",
+    "--moe-ffn-hidden-size": "expert_ffn",
+    "--moe-shared-expert-intermediate-size": "shared_expert_ffn",
+}
+MOE_FREQ_FLAG = "--moe-layer-freq"
+
+
+def expert_args(shape: ModelShape) -> list[str]:
+    """Megatron-LM's flags for ``shape``'s experts (none for a dense shape)."""
+    if not shape.experts:
+        return []
+    args = ["--num-experts", str(shape.experts), "--moe-router-topk", str(shape.topk), "--moe-grouped-gemm"]
+    if shape.expert_ffn:
+        args += ["--moe-ffn-hidden-size", str(shape.expert_ffn)]
+    if shape.shared_expert_ffn:
+        args += ["--moe-shared-expert-intermediate-size", str(shape.shared_expert_ffn)]
+    if shape.moe_layer_freq != 1:
+        args += [MOE_FREQ_FLAG, freq_text(shape.moe_layer_freq)]
+    if shape.router_groups:
+        args += ["--moe-router-num-groups", str(shape.router_groups)]
+        args += ["--moe-router-group-topk", str(shape.router_group_topk)]
+    if shape.capacity_factor is not None:
+        args += ["--moe-expert-capacity-factor", f"{shape.capacity_factor:g}"]
+        if shape.pad_to_capacity:
+            args.append("--moe-pad-expert-input-to-capacity")
+    return args
+
+
+def freq_text(freq: int | tuple[int, ...]) -> str:
+    """``--moe-layer-freq``'s text: N, or the pattern as runs (``([0]*3+[1]*58)``)."""
+    if isinstance(freq, int):
+        return str(freq)
+    runs: list[list[int]] = []
+    for flag in freq:
+        if runs and runs[-1][0] == flag:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(flag), 1])
+    return "(" + "+".join(f"[{flag}]*{count}" for flag, count in runs) + ")"
 
 
 class ModelError(ValueError):
@@ -44,6 +87,8 @@ class ModelSpec:
                 args.append("--swiglu")
             elif flag == "--num-query-groups":
                 args += ["--group-query-attention", flag, str(value)]
+            elif flag in MOE_FLAGS or flag == MOE_FREQ_FLAG:
+                continue  # in expert_args, from the shape
             else:
                 args += [flag, str(value)]
         return args
@@ -64,7 +109,9 @@ class ModelSpec:
                 "activation": "swiglu" if s.gated else "gelu",
                 "dtype": "bfloat16",
             }
-        return configs.megatron_args(section, seq_length) + self.override_args()
+        s = self.shape
+        channels = ["--kv-channels", str(s.head_dim)] if s.head_dim * s.heads != s.hidden else []
+        return configs.megatron_args(section, seq_length) + self.override_args() + channels + expert_args(s)
 
 
 def resolve(model: str, flags: dict[str, Any]) -> ModelSpec:
@@ -84,13 +131,6 @@ def resolve(model: str, flags: dict[str, Any]) -> ModelSpec:
             )
         except (configs.ConfigError, TypeError, ValueError, KeyError) as error:
             raise ModelError("--model", f"config {model!r}: {error}") from None
-        if spec.shape.experts:  # until the planner's search and step model know expert parallelism
-            raise ModelError(
-                "--model",
-                f"config {model!r}: a mixture-of-experts model ({spec.shape.experts} experts): plan "
-                "does not model experts yet (it would plan a dense model); simulate --model and "
-                "train run it",
-            )
     else:
         choices = ", ".join([*configs.names(), *PRESETS])
         raise ModelError(
@@ -107,6 +147,24 @@ def resolve(model: str, flags: dict[str, Any]) -> ModelSpec:
     if flags.get("--swiglu"):
         changes["gated"] = True
         spec.overrides["--swiglu"] = True
+    for flag, attribute in MOE_FLAGS.items():
+        value = flags.get(flag)
+        if value is not None:
+            if value < 1:
+                raise ModelError(flag, f"{flag} must be positive, got {value}")
+            changes[attribute] = value
+            spec.overrides[flag] = value
+    freq = flags.get(MOE_FREQ_FLAG)
+    if freq is not None:
+        try:
+            changes["moe_layer_freq"] = moe_layer_freq(freq, changes.get("layers", spec.shape.layers))
+        except ArgsError as error:
+            raise ModelError(error.flag, str(error)) from None
+        spec.overrides[MOE_FREQ_FLAG] = freq
+    experts = changes.get("experts", spec.shape.experts)
+    moe_given = [f for f in (*MOE_FLAGS, MOE_FREQ_FLAG) if flags.get(f) is not None and f != "--num-experts"]
+    if moe_given and not experts:
+        raise ModelError(moe_given[0], f"{moe_given[0]} needs --num-experts ({spec.name} is dense)")
     if "hidden" in changes or "heads" in changes:
         hidden = changes.get("hidden", spec.shape.hidden)
         heads = changes.get("heads", spec.shape.heads)
@@ -118,5 +176,6 @@ def resolve(model: str, flags: dict[str, Any]) -> ModelSpec:
     try:
         spec.shape = replace(spec.shape, **changes)
     except ValueError as error:
-        raise ModelError("--num-query-groups", str(error)) from None
+        flag = "--moe-router-topk" if "moe" in str(error) else "--num-query-groups"
+        raise ModelError(flag, str(error)) from None
     return spec

@@ -62,6 +62,7 @@ class Pins:
     offload: str | None = None
     vocab: str | None = None  # --pp-vocab-parallel
     micro_batch: int | None = None  # --micro-batch-size
+    pairs: bool | None = None  # --overlap-moe-expert-parallel-comm (None: searched for MoE)
     # the run's software, not layout choices: the search keeps them as given
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = True
@@ -111,6 +112,7 @@ class Pins:
             "offload": "--pp-offload",
             "vocab": "--pp-vocab-parallel",
             "micro_batch": "--micro-batch-size",
+            "pairs": "--overlap-moe-expert-parallel-comm",
         }[name]
         return self.flags.get(name, default)
 
@@ -119,7 +121,7 @@ class Pins:
         """The flags that pin something (for the title of the answer)."""
         names = ("tp", "cp", "pp", "ep", "etp", "vpp", "layers_per_virtual_stage", "schedule", "slices")
         names += ("micro_batch",)
-        names += ("sequence_parallel", "distributed_optimizer", "recompute", "offload", "vocab")
+        names += ("sequence_parallel", "distributed_optimizer", "recompute", "offload", "vocab", "pairs")
         return [self.flag(n) for n in names if getattr(self, n) is not None]
 
     # ---- before the search ---------------------------------------------------------------------
@@ -212,6 +214,11 @@ class Pins:
                     self.flag("slices"),
                     f"{self.schedule} runs whole sequences; slices need one of {', '.join(SLICED_FAMILIES)}",
                 )
+        if self.pairs and not shape.experts:
+            raise PinError(
+                self.flag("pairs"),
+                f"{self.flag('pairs')} overlaps the expert all-to-all: {shape.name} has no experts",
+            )
         if self.recompute_layers is not None and self.recompute != "full":
             raise PinError(
                 self.flag("recompute_layers"), "--recompute-num-layers needs --recompute-granularity full"
@@ -269,6 +276,9 @@ class Pins:
 
     def slices_allowed(self, slices: int) -> bool:
         return self.slices in (None, slices)
+
+    def pairs_allowed(self, pairs: bool) -> bool:
+        return self.pairs in (None, pairs)
 
     def environment(self) -> Pins:
         """Only the run's software settings: what a free search over the same run keeps."""

@@ -4,12 +4,13 @@ plan beside it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..schedule.memory_model import ParallelError, check_experts
 from .layout import layout_problem
 from .pins import PinError, Pins
-from .search import SearchResult, search
-from .step import Candidate, PlanResult, Problem, Rejection, evaluate
+from .search import PAIRED_FULL_UNITS, SearchResult, search
+from .step import Candidate, PlanResult, Problem, Rejection, evaluate, pairing_refusal
 
 PREDICT_FULL_UNITS = 40_000  # one run is replayed whole up to this many (stage, microbatch, slice) units
 
@@ -31,7 +32,15 @@ def pinned_candidate(problem: Problem, pins: Pins) -> Candidate:
     if missing:
         raise PinError(missing[0], f"a run to predict pins {', '.join(missing)}")
     pins.check(problem.shape, problem.gpus, problem.gpus_per_node)
-    layout = next(pins.layouts(problem.gpus, problem.gpus_per_node))
+    layout = next(replace(pins, ep=None, etp=None).layouts(problem.gpus, problem.gpus_per_node))
+    if pins.ep is not None or pins.etp is not None:  # Megatron's defaults: EP 1, ETP = TP
+        try:
+            layout = replace(layout, ep=pins.ep or 1, etp=pins.etp)
+            check_experts(problem.shape, layout.parallel)
+        except ParallelError as error:
+            raise PinError(error.flag, str(error)) from None
+        except ValueError as error:
+            raise PinError(pins.flag("ep"), str(error)) from None
     micro_batch = pins.micro_batch or 1
     found = layout_problem(layout, problem.shape, problem.seq_length, problem.global_batch, micro_batch)
     if found and not (found[0] == "indivisible: layers" and not pins.even_layers):
@@ -40,15 +49,20 @@ def pinned_candidate(problem: Problem, pins: Pins) -> Candidate:
     vpp = pins.vpp or 1
     if pins.layers_per_virtual_stage is not None:
         vpp = problem.shape.layers // (layout.pp * pins.layers_per_virtual_stage)
-    return Candidate(
+    candidate = Candidate(
         layout,
         pins.schedule,  # type: ignore[arg-type]
         vpp,
         pins.slices or 1,
         micro_batch=micro_batch,
         layers=pins.stage_layers,
+        pairs=bool(pins.pairs),
         **pins.candidate_options(),
     )
+    refusal = pairing_refusal(problem, candidate) if candidate.pairs else None
+    if refusal:
+        raise PinError(pins.flag("pairs"), f"{pins.flag('pairs')}: {refusal}")
+    return candidate
 
 
 def predict(problem: Problem, pins: Pins) -> PlanResult:
@@ -57,7 +71,8 @@ def predict(problem: Problem, pins: Pins) -> PlanResult:
     candidate = pinned_candidate(problem, pins)
     layout = candidate.layout
     microbatches = problem.global_batch // (layout.dp * candidate.micro_batch)
-    full = layout.pp * candidate.vpp * candidate.slices * microbatches <= PREDICT_FULL_UNITS
+    limit = PAIRED_FULL_UNITS if candidate.pairs else PREDICT_FULL_UNITS
+    full = layout.pp * candidate.vpp * candidate.slices * microbatches <= limit
     try:
         return evaluate(problem, candidate, full=full, check_memory=False)
     except Rejection as error:
@@ -88,4 +103,15 @@ def predict_and_compare(problem: Problem, pins: Pins, max_simulations: int = 300
     it (Transformer Engine's TP overlap kept as the run has it; the micro-batch size searched)."""
     run = predict(problem, pins)
     free = Pins(tp_comm_overlap=pins.tp_comm_overlap)
-    return Prediction(run, search(problem, top=top, max_simulations=max_simulations, pins=free))
+    found = search(problem, top=top, max_simulations=max_simulations, pins=free)
+    return Prediction(run, with_run(found, run, top))
+
+
+def with_run(found: SearchResult, run: PlanResult, top: int) -> SearchResult:
+    """The search's plans with the run among them when it fits and would rank: the search prunes
+    by estimates before it simulates, so it may miss a layout it could have chosen, but it never
+    answers with plans slower than the run it was shown."""
+    if not run.fits or any(plan.candidate == run.candidate for plan in found.plans):
+        return found
+    plans = sorted([*found.plans, run], key=lambda plan: plan.step_time)[:top]
+    return replace(found, plans=plans)

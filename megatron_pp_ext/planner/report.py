@@ -20,6 +20,11 @@ def plan_row(rank: int, plan: PlanResult) -> dict[str, str]:
         "schedule": c.schedule,
         "v": str(c.vpp),
         "k": str(c.slices),
+        **(
+            {"EP": str(c.layout.ep), "ETP": str(c.layout.expert_tp), "ovl": "yes" if c.pairs else "no"}
+            if plan.problem.shape.experts
+            else {}
+        ),
         "mb": str(c.micro_batch),
         "offload": c.offload,
         "recompute": c.recompute,
@@ -53,6 +58,8 @@ def summary(result: SearchResult, title: str) -> str:
         f"{step_parts(best)}"
     )
     lines.extend(f"  note: {note}" for note in best.notes)
+    lines.extend(expert_lines(best))
+    lines.extend(fp8_lines(best))
     lines.extend(uneven_splits_of(result.plans))
     lines.append(rejections(result))
     return "\n".join(lines)
@@ -111,7 +118,64 @@ def plan_lines(plan: PlanResult) -> list[str]:
         f"  memory per GPU: {plan.memory_gib:.1f} GiB of {capacity:.1f} ({fits}) = {memory_parts(plan)}",
         f"  {step_parts(plan)}",
         *(f"  note: {note}" for note in plan.notes),
+        *expert_lines(plan),
+        *fp8_lines(plan),
     ]
+
+
+def fp8_lines(plan: PlanResult) -> list[str]:
+    problem = plan.problem
+    if not problem.fp8:
+        return []
+    return [
+        f"  FP8 ({problem.fp8}): linear and expert GEMMs at {problem.profile.fp8_peak_flops / 1e12:.0f} "
+        f"TFLOP/s x {problem.profile.fp8_gemm_efficiency:.2f} with their casts; MFU against the BF16 peak, "
+        "as published FP8 runs report it"
+    ]
+
+
+GROUPED_GEMM_DATA_TOKENS = 2048  # the smallest per-expert batch the cited grouped-GEMM data covers
+
+
+def expert_lines(plan: PlanResult) -> list[str]:
+    """A mixture-of-experts plan's lines: what it activates, its expert layout and all-to-all,
+    and the assumptions the prediction rests on (docs/planner.md, "Mixture of experts")."""
+    summary, problem = plan.experts, plan.problem
+    if summary is None:
+        return []
+    shape, c = problem.shape, plan.candidate
+    layout = c.layout
+    overlap = f"EP overlap on ({plan.pairs} overlapped F&B pairs simulated)" if c.pairs else "EP overlap off"
+    profile = problem.profile
+    if profile.grouped_gemm_efficiency:
+        grouped = f"its grouped GEMMs at {profile.grouped_gemm_efficiency:.0%} of the peak (the profile's)"
+    else:
+        grouped = (
+            f"its grouped GEMMs at the dense GEMMs' {profile.gemm_efficiency:.0%} of the peak: the profile "
+            "has no grouped-GEMM measurement (optimistic)"
+        )
+    lines = [
+        f"  experts: {shape.experts} routed, top-{shape.topk}, {summary.moe_layers} MoE layers; "
+        f"{shape.activated_params() / 1e9:.1f}B of {shape.total_params() / 1e9:.1f}B parameters activated "
+        f"per token (MFU counts these); EP {layout.ep} x ETP {layout.expert_tp}, expert DP "
+        f"{layout.parallel.expert_dp}; {problem.dispatcher} dispatcher; {overlap}",
+        f"  expert all-to-all: {summary.nvlink_bytes / 2**20:.1f} MiB over NVLink + "
+        f"{summary.ib_bytes / 2**20:.1f} MiB over InfiniBand per rank, {summary.one_alltoall * 1e3:.2f} ms, "
+        f"4 per MoE layer and microbatch; {summary.alltoall_seconds:.2f} s per step on the busiest rank, "
+        f"{summary.hidden_seconds:.2f} s of it hidden by overlapped pairs",
+        f"  memory: routed experts' weights, gradients and optimizer state "
+        f"{plan.memory.experts / 2**30:.1f} GiB of the static parts",
+        f"  assumed: routing {'balanced' if problem.moe_imbalance == 1 else 'imbalanced'} "
+        f"(busiest expert rank x{problem.moe_imbalance:g} of its share; --pp-moe-imbalance), as published "
+        f"MoE benchmarks force it; {summary.tokens_per_expert:.0f} tokens per local expert, {grouped}",
+    ]
+    if summary.tokens_per_expert < GROUPED_GEMM_DATA_TOKENS:
+        lines.append(
+            f"  caution: {summary.tokens_per_expert:.0f} tokens per local expert is below what the "
+            "grouped-GEMM data covers (docs/planner.md); such small GEMMs run below the roofline, so "
+            "the expert GEMMs are optimistic"
+        )
+    return lines
 
 
 def prediction(result: Prediction, title: str, notes: list[str]) -> str:

@@ -32,8 +32,8 @@ from functools import cache
 from types import SimpleNamespace
 
 from ..schedule.flops import head_layers
-from ..schedule.generators import SCHEDULES, generate
-from ..schedule.ir import Placement
+from ..schedule.generators import SCHEDULES, RequestError, generate
+from ..schedule.ir import OpKind, Placement
 from ..schedule.layer_split import LayerSplitFlags, megatron_stage_layers, uneven_splits
 from ..schedule.memory_model import stage_layers
 from ..schedule.partition import PartitionError
@@ -49,6 +49,9 @@ from .step import (
     lower_bound_memory,
     lower_bound_time,
     microbatches_of,
+    pairing_refusal,
+    plan_costs,
+    simulated_count,
     static_parts,
 )
 
@@ -71,6 +74,30 @@ class SearchResult:
     def reject(self, reason: str, detail: str, count: int = 1) -> None:
         self.rejected[reason] += count
         self.examples.setdefault(reason, detail)
+
+
+@cache
+def units_in_flight(name: str, pp: int, microbatches: int, vpp: int, slices: int) -> tuple[int, ...] | None:
+    """Each rank's most forward units (stage x slice of a microbatch) held at once in ``name``'s
+    op order, a backward freeing its unit (it keeps less than the forward's activation); None
+    where the schedule cannot be made at these sizes or is planned from costs (zb-auto)."""
+    if name == "zb-auto":
+        name = "zb-h1"  # zb-auto's activations are limited to 1F1B's peak: at least ZB-H1's
+    try:
+        schedule = generate(name, pp, microbatches, vpp=vpp, slices=slices)
+    except (RequestError, PartitionError, ValueError):
+        return None
+    counts = []
+    for ops in schedule.ranks:
+        level = peak = 0
+        for op in ops:
+            if op.kind is OpKind.F:
+                level += 1
+                peak = max(peak, level)
+            elif op.kind in (OpKind.B, OpKind.BW):
+                level -= 1
+        counts.append(peak)
+    return tuple(counts)
 
 
 @cache
@@ -163,30 +190,37 @@ def _stub(candidate: Candidate) -> SimpleNamespace:
     )
 
 
+# The bounds' cost models, shared by candidates that differ only in schedule and pairing (what a
+# cost model reads of the schedule is its stages, slices and partition).
+_BOUND_COSTS: dict[tuple, PlanCosts] = {}
+
+
 def bounds(problem: Problem, candidate: Candidate) -> tuple[float, float]:
     """(time lower bound in s, memory lower bound in bytes; 0 when offloading)."""
     stub = _stub(candidate)
     layers = (
         list(candidate.layers) if candidate.layers else stage_layers(problem.shape.layers, stub.num_stages)
     )
-    costs = PlanCosts(
-        problem.shape,
-        stub,  # type: ignore[arg-type]
-        problem.seq_length,
-        candidate.layout,
-        problem.profile,
-        candidate.micro_batch,
-        candidate.recompute,
-        layers,
-        candidate.recompute_layers,
-        candidate.tp_comm_overlap,
-        candidate.attention,
-        candidate.vocab,
-    )
+    key = (
+        problem, candidate.layout, candidate.micro_batch, candidate.recompute, candidate.recompute_layers,
+        candidate.tp_comm_overlap, candidate.attention, candidate.vocab, tuple(layers), stub.num_stages,
+        stub.slices, stub.meta["partition"],
+    )  # fmt: skip
+    costs = _BOUND_COSTS.get(key)
+    if costs is None:
+        if len(_BOUND_COSTS) >= 4096:
+            _BOUND_COSTS.clear()
+        costs = _BOUND_COSTS[key] = plan_costs(problem, candidate, stub, layers)
     m = microbatches_of(problem, candidate)
-    seconds = lower_bound_time(stub, costs, m)  # type: ignore[arg-type]
-    memory = 0.0 if candidate.offload != "none" else lower_bound_memory(problem, candidate, costs, stub)  # type: ignore[arg-type]
-    return seconds, memory
+    seconds = lower_bound_time(stub, costs, m, paired=candidate.pairs)
+    if candidate.offload == "none":
+        counted = simulated_count(m, candidate, False)
+        in_flight = units_in_flight(
+            candidate.schedule, candidate.layout.pp, counted, candidate.vpp, candidate.slices
+        )
+        memory = lower_bound_memory(problem, candidate, costs, stub, in_flight)  # type: ignore[arg-type]
+        return seconds, memory
+    return seconds, 0.0
 
 
 def static_fits(problem: Problem, layout: Layout, vocab: str = "none") -> float:
@@ -206,12 +240,14 @@ def memory_savers(candidate: Candidate, pins: Pins | None = None) -> list[Candid
     recomputes = [candidate.recompute]
     if pins.recompute is None and k == 1 and candidate.layout.cp == 1 and not splits_backward(name):
         recomputes += (["selective"] if candidate.attention == "unfused" else []) + ["full"]
-    return [
+    variants = [
         replace(candidate, offload=offload, recompute=recompute)
         for recompute in recomputes
         for offload in offloads
         if (offload, recompute) != (candidate.offload, candidate.recompute)
     ]
+    # overlapped pairs run neither offload nor full recomputation: the unpaired twin saves memory
+    return [v for v in variants if not v.pairs or (v.offload == "none" and v.recompute != "full")]
 
 
 def micro_batch_options(problem: Problem, layout: Layout, pins: Pins) -> list[int]:
@@ -364,7 +400,7 @@ class _Search:
 
     def evaluate(self, candidate: Candidate, estimate: float) -> None:
         try:
-            plan = evaluate(self.problem, candidate)
+            plan = evaluate(self.problem, candidate, pairing_replays=SEARCH_PAIRING_REPLAYS)
         except Rejection as error:
             self.result.reject(
                 error.reason,
@@ -381,8 +417,18 @@ class _Search:
             self.result.reject("out of memory", f"{candidate.label()}: {plan.memory_gib:.1f} GiB")
             self.save_memory(candidate)
             return
+        if candidate.pairs and not plan.pairs:  # pairing took no pair: its unpaired twin
+            self.result.reject("EP overlap: no pair that does not lengthen the step", candidate.label())
+            return
         self.best.append(plan)
         self.best.sort(key=lambda p: p.step_time)
+
+
+# Replays one paired candidate's pairing may take in the search (``pairing.pair``: one a rank
+# where all its pairs go at once, one a pair where not); past it the rest stays unpaired, so the
+# search may rank such a plan a little slower than the run, which pairs them all, would be.
+SEARCH_PAIRING_REPLAYS = 48
+PAIRED_FULL_UNITS = 256  # a paired plan is replayed whole only this small: pairing replays the step per pair
 
 
 def search(
@@ -394,7 +440,8 @@ def search(
     pins: Pins | None = None,
 ) -> SearchResult:
     """Rank plans for ``problem`` within ``pins``; the result's ``plans`` fit in memory, best
-    first."""
+    first. A mixture-of-experts model's candidates come with and without overlapped F&B pairs
+    (only with when ``pins.pairs`` asks for them)."""
     start = time.perf_counter()
     pins = pins or Pins()
     state = _Search(problem, top, progress, pins)
@@ -425,7 +472,10 @@ def search(
                 else tuple(megatron_stage_layers(problem.shape.layers, layout.pp, vpp, split))
             )
             candidate = Candidate(layout, name, vpp, k, layers=layers, split=split, **options)
-            state.push_micro_batches(candidate, sizes)
+            for pairs in (False, True):
+                variant = replace(candidate, pairs=pairs)
+                if pins.pairs_allowed(pairs) and not (pairs and pairing_refusal(problem, variant)):
+                    state.push_micro_batches(variant, sizes)
     state.run(max_simulations)
     result.plans = _resimulate(problem, state.best[:top])
     result.seconds = time.perf_counter() - start
@@ -442,7 +492,8 @@ def _resimulate(problem: Problem, plans: list[PlanResult]) -> list[PlanResult]:
     for plan in plans:
         c = plan.candidate
         units = c.layout.pp * c.vpp * c.slices * plan.microbatches
-        if plan.simulated_microbatches < plan.microbatches and units <= FULL_SIMULATION_UNITS:
+        limit = PAIRED_FULL_UNITS if c.pairs else FULL_SIMULATION_UNITS
+        if plan.simulated_microbatches < plan.microbatches and units <= limit:
             try:
                 plan = evaluate(problem, c, full=True)
             except Rejection:

@@ -29,12 +29,15 @@ from ..schedule.lowering import lower
 from ..schedule.memory_model import padded_vocab, stage_layers, static_memory
 from ..schedule.models import ModelShape
 from ..schedule.offload import OffloadError, OffloadPolicy, apply_offload
+from ..schedule.pairing import pair
+from ..schedule.pairs import count as count_pairs
+from ..schedule.pairs import hidden_seconds, iter_pairs, op_of
 from ..schedule.partition import PartitionError
 from ..schedule.run_costs import RunShape, run_costs
 from ..schedule.simulate import SimResult, simulate
 from ..schedule.validate import ScheduleError
 from ..schedule.vocab import VocabError, add_vocab_passes, vocab_static_memory
-from .costs import PlanCosts
+from .costs import LayerTimes, PlanCosts
 from .devices import GIB, DeviceProfile
 from .kernels import Kernels
 from .layout import Layout
@@ -67,6 +70,12 @@ class Problem:
     # published runs the cost model is checked against (Megatron's batched p2p) behave;
     # IN_ORDER for NCCL's in-order completion of the plugin's unbatched messages
     completion: str = FREE
+    # mixture of experts: megatron-core's token dispatcher (--moe-token-dispatcher-type: alltoall,
+    # or flex for DeepEP / HybridEP), and the busiest expert rank's routed tokens over the
+    # balanced share (--pp-moe-imbalance; 1: balanced, as the published benchmarks force it)
+    dispatcher: str = "alltoall"
+    moe_imbalance: float = 1.0
+    fp8: str | None = None  # --fp8-format: Transformer Engine's linears in FP8 (the profile's FP8 peak)
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,9 @@ class Candidate:
     # Megatron's flags that give ``layers`` (``--decoder-first/last-pipeline-num-layers``, ...),
     # where the search chose them; --emit writes them
     split: LayerSplitFlags | None = None
+    # --overlap-moe-expert-parallel-comm: forward and backward of two microbatches as overlapped
+    # pairs (schedule/pairing.py), each one's expert all-to-all behind the other's compute
+    pairs: bool = False
 
     def label(self) -> str:
         extra = [f"micro-batch {self.micro_batch}"] if self.micro_batch > 1 else []
@@ -112,9 +124,28 @@ class Candidate:
         extra += ["no grad-reduce overlap"] if not self.overlap_grad_reduce else []
         extra += [f"memory limit {self.memory_limit:g} M"] if self.memory_limit is not None else []
         extra += [f"layers {layer_runs(self.layers)}"] if self.layers is not None else []
+        extra += ["EP overlap"] if self.pairs else []
         return f"{self.layout.label()} {self.schedule} v{self.vpp} k{self.slices}" + "".join(
             f", {e}" for e in extra
         )
+
+
+def pairing_refusal(problem: Problem, candidate: Candidate) -> str | None:
+    """Why ``candidate`` cannot run overlapped F&B pairs (the runtime's refusals of
+    ``--overlap-moe-expert-parallel-comm``, ``runtime/expert_overlap.py``), or None."""
+    layout = candidate.layout
+    for refused, why in (
+        (not problem.shape.experts, f"{problem.shape.name} has no experts"),
+        (layout.ep == 1, "EP 1 has no expert all-to-all to hide"),
+        (layout.cp > 1, "not with context parallelism"),
+        (candidate.slices > 1, "not with sequence slices"),
+        (candidate.vocab != "none", "not with vocabulary parallelism"),
+        (candidate.offload != "none", "not with activation offload"),
+        (candidate.recompute == "full", "not with full recomputation"),
+    ):
+        if refused:
+            return why
+    return None
 
 
 def layer_runs(layers: tuple[int, ...]) -> str:
@@ -140,6 +171,7 @@ class MemoryBreakdown:
     activations: float
     comm_buffers: float
     reserved: float
+    experts: float = 0.0  # the routed experts' share of weights, gradients and optimizer (in them)
 
     @property
     def total(self) -> float:
@@ -153,8 +185,23 @@ class MemoryBreakdown:
         )
 
     def to_gib(self) -> dict[str, float]:
-        parts = {k: v / GIB for k, v in self.__dict__.items()}
+        parts = {k: v / GIB for k, v in self.__dict__.items() if k != "experts" or v}
         return {**{k: round(v, 3) for k, v in parts.items()}, "total": round(self.total / GIB, 3)}
+
+
+@dataclass(frozen=True)
+class ExpertSummary:
+    """What a mixture-of-experts plan's report states: the expert all-to-all per step on the rank
+    with the most of it, how much its overlapped pairs hide, one all-to-all's bytes by link, and
+    the tokens each local expert's GEMM takes."""
+
+    alltoall_seconds: float  # every expert all-to-all of the step on that rank
+    hidden_seconds: float  # of which the overlapped pairs hide (scaled from the simulated ones)
+    nvlink_bytes: float  # one all-to-all of one microbatch (first slice), per rank
+    ib_bytes: float
+    one_alltoall: float  # its seconds
+    tokens_per_expert: float  # m_e of the first slice
+    moe_layers: int
 
 
 @dataclass
@@ -173,6 +220,8 @@ class PlanResult:
     offloaded_units: int = 0
     notes: list[str] = field(default_factory=list)
     param_gather_exposed: float = 0.0
+    pairs: int = 0  # overlapped F&B pairs in the simulated schedule (EP overlap)
+    experts: ExpertSummary | None = None  # a mixture-of-experts model's all-to-all and expert GEMMs
 
     @property
     def memory_gib(self) -> float:
@@ -237,6 +286,20 @@ class PlanResult:
             "param_gather_exposed_s": self.param_gather_exposed,
             "simulated_microbatches": self.simulated_microbatches,
             "offloaded_units": self.offloaded_units,
+            **(self._moe_dict() if self.problem.shape.experts else {}),
+        }
+
+    def _moe_dict(self) -> dict[str, Any]:
+        lay, p = self.candidate.layout, self.problem
+        return {
+            "ep": lay.ep,
+            "etp": lay.expert_tp,
+            "expert_overlap": self.candidate.pairs,
+            "overlapped_pairs": self.pairs,
+            "dispatcher": p.dispatcher,
+            "moe_imbalance": p.moe_imbalance,
+            "expert_memory_gib": self.memory.experts / GIB,
+            "activated_params": p.shape.activated_params(),
         }
 
 
@@ -273,14 +336,18 @@ def _lowered(
     vocab: str = "none",
     memory_limit: float | None = None,
     run: RunShape | None = None,
+    pairs: bool = False,
+    pairing_replays: int | None = None,
 ) -> Schedule:
     """Generated and lowered once; layouts with the same pipeline shape and run share it. The
-    vocabulary passes are placed and the messages ordered as the runtime does it for ``run``
-    (``schedule/run_costs.py``; unit costs without one)."""
+    overlapped pairs are taken, the vocabulary passes placed and the messages ordered as the
+    runtime does it for ``run`` (``schedule/run_costs.py``; unit costs without one)."""
     schedule = generate(
         name, pp, microbatches, vpp=vpp, slices=slices, costs=costs, memory_limit=memory_limit
     )
     order = None if run is None else run_costs(run, schedule, vocab)
+    if pairs:
+        schedule = pair(schedule, order, pairing_replays)
     return lower(add_vocab_passes(schedule, vocab, order), order)
 
 
@@ -316,7 +383,11 @@ def offload_ratio(schedule: Schedule, costs: PlanCosts) -> float:
 
 
 def build_schedule(
-    candidate: Candidate, microbatches: int, unit_costs: Costs | None = None, run: RunShape | None = None
+    candidate: Candidate,
+    microbatches: int,
+    unit_costs: Costs | None = None,
+    run: RunShape | None = None,
+    pairing_replays: int | None = None,
 ) -> Schedule:
     """``candidate``'s schedule as the runtime resolves it for ``run``; :class:`Rejection` if it
     cannot be built."""
@@ -331,6 +402,8 @@ def build_schedule(
             candidate.vocab,
             candidate.memory_limit if candidate.schedule == "zb-auto" else None,
             run,
+            candidate.pairs,
+            pairing_replays,
         )
     except RequestError as error:
         raise Rejection(f"schedule: {error.flag}", str(error)) from None
@@ -391,7 +464,7 @@ def stage_params(
 
 
 def pipeline_of(
-    problem: Problem, candidate: Candidate, microbatches: int
+    problem: Problem, candidate: Candidate, microbatches: int, pairing_replays: int | None = None
 ) -> tuple[Schedule, PlanCosts, list[int]]:
     """The schedule ``evaluate`` replays for ``candidate`` with ``microbatches``, its cost model
     and the layers of each virtual stage (zb-auto planned with the cost model's layer times).
@@ -406,46 +479,60 @@ def pipeline_of(
         if candidate.schedule == "zb-auto":  # planned with the cost model's times: the model first,
             schedule = generate("1f1b", layout.pp, microbatches)  # on a schedule of its stages
         else:
-            schedule = build_schedule(candidate, microbatches, run=run)
+            schedule = build_schedule(candidate, microbatches, run=run, pairing_replays=pairing_replays)
     except RequestError as error:
         raise Rejection(f"schedule: {error.flag}", str(error)) from None
     except PartitionError as error:
         raise Rejection("indivisible: slices", str(error)) from None
     try:
-        costs = PlanCosts(
-            problem.shape,
-            schedule,
-            problem.seq_length,
-            layout,
-            problem.profile,
-            candidate.micro_batch,
-            candidate.recompute,
-            layers,
-            candidate.recompute_layers,
-            candidate.tp_comm_overlap,
-            candidate.attention,
-            candidate.vocab,
-        )
+        costs = plan_costs(problem, candidate, schedule, layers)
     except PartitionError as error:
         raise Rejection("indivisible: slices", str(error)) from None
     if candidate.schedule == "zb-auto":
         lt = costs.layer_seconds()
-        schedule = build_schedule(candidate, microbatches, Costs(lt.forward, lt.backward, lt.weight), run)
+        unit = Costs(lt.forward, lt.backward, lt.weight)
+        schedule = build_schedule(candidate, microbatches, unit, run, pairing_replays)
     return schedule, costs, layers
 
 
+def plan_costs(problem: Problem, candidate: Candidate, schedule: Any, layers: list[int]) -> PlanCosts:
+    """The cost model of ``candidate``'s ``schedule`` (or a stub of it: what PlanCosts reads)."""
+    return PlanCosts(
+        problem.shape,
+        schedule,
+        problem.seq_length,
+        candidate.layout,
+        problem.profile,
+        candidate.micro_batch,
+        candidate.recompute,
+        layers,
+        candidate.recompute_layers,
+        candidate.tp_comm_overlap,
+        candidate.attention,
+        candidate.vocab,
+        problem.dispatcher,
+        problem.fp8 is not None,
+        problem.moe_imbalance,
+    )
+
+
 def evaluate(
-    problem: Problem, candidate: Candidate, full: bool = False, check_memory: bool = True
+    problem: Problem,
+    candidate: Candidate,
+    full: bool = False,
+    check_memory: bool = True,
+    pairing_replays: int | None = None,
 ) -> PlanResult:
     """Simulate ``candidate``. Raises :class:`Rejection` if it cannot be built, or, without
-    offload and with ``check_memory``, if its memory (known before any replay) does not fit."""
+    offload and with ``check_memory``, if its memory (known before any replay) does not fit.
+    ``pairing_replays`` caps the replays that choose overlapped pairs (``pairing.pair``)."""
     m = microbatches_of(problem, candidate)
     m_sim = simulated_count(m, candidate, full)
     if m_sim > m:
         raise Rejection(
             "schedule: microbatches", f"{candidate.schedule} needs {m_sim} microbatches, the batch gives {m}"
         )
-    schedule, costs, layers = pipeline_of(problem, candidate, m_sim)
+    schedule, costs, layers = pipeline_of(problem, candidate, m_sim, pairing_replays)
     offloaded = 0
     if candidate.offload == "none" and check_memory:
         memory = _memory(problem, candidate, schedule, costs, peak_activations(schedule, costs), layers)
@@ -476,15 +563,34 @@ def _stage_layers(total: int, stages: int, given: tuple[int, ...] | None) -> lis
     return list(given)
 
 
-def _per_microbatch_busy(schedule: Schedule, costs: PlanCosts) -> list[float]:
-    """Compute seconds of one microbatch (all slices) on each rank."""
+def _per_microbatch_busy(schedule: Any, costs: PlanCosts) -> list[float]:
+    """Compute seconds of one microbatch (all slices) on each rank, less what its overlapped pairs
+    hide: a rank whose simulated F and B ops are a share q in pairs hides q of each stage's
+    all-to-alls behind the partner op (``pairs.hidden_seconds`` of the stage's F and B, as the
+    pairs of one chunk position would) in the steady state the extension repeats."""
+    backward = OpKind.B if schedule.splits_backward else OpKind.BW
     kinds = (OpKind.F, OpKind.B, OpKind.W) if schedule.splits_backward else (OpKind.F, OpKind.BW)
+    share = _paired_share(schedule)
     busy = [0.0] * schedule.pp
     for stage in range(schedule.num_stages):
         rank = schedule.placement.rank_of(stage)
         for j in range(schedule.slices):
             busy[rank] += sum(costs.duration(Op(kind, stage, 0, j)) for kind in kinds)
+            if share[rank]:
+                hidden = hidden_seconds(Op(OpKind.F, stage, 0, j), Op(backward, stage, 0, j), costs)
+                busy[rank] -= share[rank] * hidden
     return busy
+
+
+def _paired_share(schedule: Any) -> list[float]:
+    """Per rank, the share of its F and B (or BW) ops that are in overlapped pairs."""
+    paired = [0] * schedule.pp
+    for rank, _, _ in iter_pairs(schedule):
+        paired[rank] += 2
+    if not any(paired):
+        return [0.0] * schedule.pp
+    kinds = (OpKind.F, OpKind.B, OpKind.BW)
+    return [count / max(1, sum(op.kind in kinds for op in ops)) for count, ops in zip(paired, schedule.ranks)]
 
 
 def _assemble(
@@ -564,6 +670,33 @@ def _assemble(
         model_flops=flops,
         offloaded_units=offloaded,
         notes=notes,
+        pairs=count_pairs(schedule),
+        experts=_expert_summary(schedule, costs, m) if shape.experts else None,
+    )
+
+
+def _expert_summary(schedule: Schedule, costs: PlanCosts, m: int) -> ExpertSummary:
+    """The step's expert all-to-all on the rank with the most of it (one microbatch's, x m) and
+    what that rank's overlapped pairs hide (the simulated pairs', x m / simulated microbatches)."""
+    kinds = (OpKind.F, OpKind.B, OpKind.W, OpKind.BW)
+    per_rank = [0.0] * schedule.pp
+    for stage in range(schedule.num_stages):
+        rank = schedule.placement.rank_of(stage)
+        for j in range(schedule.slices):
+            per_rank[rank] += sum(costs.expert_comm_time(Op(kind, stage, 0, j)) for kind in kinds)
+    hidden = [0.0] * schedule.pp
+    for rank, first, second in iter_pairs(schedule):
+        hidden[rank] += hidden_seconds(op_of(first), op_of(second), costs)
+    busiest = max(range(schedule.pp), key=lambda r: per_rank[r])
+    nvlink, ib = costs.alltoall_parts(0)
+    return ExpertSummary(
+        alltoall_seconds=per_rank[busiest] * m,
+        hidden_seconds=hidden[busiest] * m / schedule.microbatches,
+        nvlink_bytes=nvlink,
+        ib_bytes=ib,
+        one_alltoall=costs.alltoall_seconds(0),
+        tokens_per_expert=costs.tokens_per_expert(0),
+        moe_layers=sum(costs.moe_layers),
     )
 
 
@@ -656,6 +789,7 @@ def _memory(
             activations=peak + transient,
             comm_buffers=buffers,
             reserved=problem.profile.reserved_bytes,
+            experts=parts.experts,
         )
         if best is None or candidate_memory.total > best.total:
             best = candidate_memory
@@ -663,10 +797,18 @@ def _memory(
     return best
 
 
-def lower_bound_memory(problem: Problem, candidate: Candidate, costs: PlanCosts, schedule: Schedule) -> float:
-    """Bytes the rank holding the last stage must hold at least, without offload: its static
-    parts and, when the last stage starts its first backward, every slice of microbatch 0 on all
-    of its stages (they all ran their forwards and none of their backwards yet)."""
+def lower_bound_memory(
+    problem: Problem,
+    candidate: Candidate,
+    costs: PlanCosts,
+    schedule: Schedule,
+    in_flight: tuple[int, ...] | None = None,
+) -> float:
+    """Bytes some rank must hold at least, without offload: its static parts and activations.
+    The rank holding the last stage holds, when the last stage starts its first backward, every
+    slice of microbatch 0 on all of its stages (they all ran their forwards and none of their
+    backwards yet); with ``in_flight`` (each rank's most forward units held at once by the
+    schedule's op order, ``search.units_in_flight``) every rank holds that many of its smallest."""
     layout = candidate.layout
     layers = costs.layers
     static = static_parts(problem.shape, schedule.placement, layout.parallel, layers, candidate.vocab)
@@ -676,8 +818,16 @@ def lower_bound_memory(problem: Problem, candidate: Candidate, costs: PlanCosts,
         for stage in schedule.placement.stages_of(rank)
         for j in range(schedule.slices)
     )
-    parts = static[rank]
-    return parts.weights + parts.gradients + parts.optimizer + held + problem.profile.reserved_bytes
+    bound = [parts.weights + parts.gradients + parts.optimizer for parts in static]
+    worst = bound[rank] + held
+    for r, units in enumerate(in_flight or ()):
+        smallest = min(
+            costs.activation(Op(OpKind.F, stage, 0, j))
+            for stage in schedule.placement.stages_of(r)
+            for j in range(schedule.slices)
+        )
+        worst = max(worst, bound[r] + units * smallest)
+    return worst + problem.profile.reserved_bytes
 
 
 def static_parts(
@@ -689,28 +839,40 @@ def static_parts(
     return vocab_static_memory(shape, placement, parallel, layers)
 
 
-def lower_bound_time(schedule: Schedule, costs: PlanCosts, microbatches: int) -> float:
-    """The busiest rank's compute for the whole step: no schedule can finish sooner. Closed form
-    (layers on the rank times one layer's F+B+W over the slices, plus the output layer)."""
+def lower_bound_time(schedule: Any, costs: PlanCosts, microbatches: int, paired: bool = False) -> float:
+    """The busiest rank's compute for the whole step: no schedule can finish sooner. Closed form:
+    the rank's dense and MoE layers times one such layer's F+B+W over the slices (with overlapped
+    pairs, ``paired``, less the MoE layers' all-to-alls, which a pair may hide), the layers
+    recomputation reruns, and the output layer (or every rank's vocabulary passes)."""
     split = schedule.splits_backward
-    slices = [costs.layer_seconds(j) for j in range(schedule.slices)]
-    per_layer = sum((t.forward + t.backward + t.weight) if split else (t.forward + t.fused) for t in slices)
-    recompute = sum(t.recompute for t in slices)
-    head = sum(
-        (t.forward + t.backward + t.weight) if split else (t.forward + t.fused)
-        for t in (costs.head_seconds(j) for j in range(schedule.slices))
-    )
+
+    def per_layer(times: LayerTimes) -> float:
+        return (times.forward + times.backward + times.weight) if split else (times.forward + times.fused)
+
+    slices = range(schedule.slices)
+    dense = sum(per_layer(costs.layer_seconds(j)) for j in slices)
+    dense_rerun = sum(costs.layer_seconds(j).recompute for j in slices)
+    moe = moe_rerun = 0.0
+    if costs.shape.experts:
+        moe = sum(per_layer(costs.moe_layer_seconds(j)) for j in slices)
+        moe_rerun = sum(costs.moe_layer_seconds(j).recompute for j in slices)
+        if paired:  # dispatch and combine in F, their gradients in B
+            moe -= sum(4 * costs.alltoall_seconds(j) for j in slices)
+    head = sum(per_layer(costs.head_seconds(j)) for j in slices)
     placement = schedule.placement
     last = placement.rank_of(schedule.num_stages - 1)
     if costs.vocab != "none":  # every rank runs its share of the output layer
-        shared = sum(sum(costs.vocab_seconds(j)) for j in range(schedule.slices))
+        shared = sum(sum(costs.vocab_seconds(j)) for j in slices)
     busiest = 0.0
     for rank in range(schedule.pp):
         stages = placement.stages_of(rank)
-        layers = sum(costs.layers[s] for s in stages)
-        rerun = sum(costs.recomputed_layers(s) for s in stages) * recompute
+        moe_layers = sum(costs.moe_layers[s] for s in stages)
+        dense_layers = sum(costs.layers[s] for s in stages) - moe_layers
+        rerun_moe = sum(costs.recomputed_moe_layers(s) for s in stages)
+        rerun_dense = sum(costs.recomputed_layers(s) for s in stages) - rerun_moe
         output = shared if costs.vocab != "none" else (head if rank == last else 0.0)
-        busiest = max(busiest, layers * per_layer + rerun + output)
+        busy = dense_layers * dense + moe_layers * moe + rerun_dense * dense_rerun + rerun_moe * moe_rerun
+        busiest = max(busiest, busy + output)
     return busiest * microbatches
 
 

@@ -38,6 +38,10 @@ class ModelShape:
     moe_layer_freq: int | tuple[int, ...] = 1  # one MoE layer every N from layer 0, or a 0/1 per layer
     capacity_factor: float | None = None  # moe_expert_capacity_factor; None: no token dropping
     pad_to_capacity: bool = False  # moe_pad_expert_input_to_capacity
+    # node-limited routing: experts in ``router_groups`` groups, a token's top-k taken from its
+    # best ``router_group_topk`` groups (moe_router_num_groups / moe_router_group_topk); 0: none
+    router_groups: int = 0
+    router_group_topk: int = 0
 
     def __post_init__(self) -> None:
         if min(self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.ffn, self.vocab) < 1:
@@ -66,6 +70,18 @@ class ModelShape:
             )
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"{name}: moe_expert_capacity_factor={self.capacity_factor} must be positive")
+        groups, chosen = self.router_groups, self.router_group_topk
+        if groups or chosen:
+            if groups < 1 or self.experts % groups or not 1 <= chosen <= groups:
+                raise ValueError(
+                    f"{name}: moe_router_num_groups={groups} must divide the {self.experts} experts and "
+                    f"moe_router_group_topk={chosen} be 1 to it"
+                )
+            if chosen * self.experts // groups < self.topk:
+                raise ValueError(
+                    f"{name}: moe_router_group_topk={chosen} groups of {self.experts // groups} experts "
+                    f"hold fewer than moe_router_topk={self.topk}"
+                )
 
     @property
     def q_width(self) -> int:
@@ -160,6 +176,12 @@ class ModelShape:
         )
         layers = (self.layers - moe) * self.layer_params() + moe * moe_layer
         return layers + norms + 2 * self.vocab * self.hidden
+
+    def activated_params(self) -> int:
+        """Weights one token passes through: :meth:`total_params` with each MoE layer's routed
+        experts counted top-k times, not E (DeepSeek-V3's "37B activated" of 671B)."""
+        moe = sum(self.moe_layers())
+        return int(self.total_params() - moe * (self.experts - self.routed_copies) * self.expert_params())
 
 
 def megatron_shape(config: Any, vocab_size: int = 1) -> ModelShape:

@@ -41,13 +41,18 @@ def _pairable(first: Op, second: Op) -> bool:
     return OpKind.F in kinds and bool(kinds & set(BACKWARD)) and first.microbatch != second.microbatch
 
 
-def pair(schedule: Schedule, costs: Any = None) -> Schedule:
+def pair(schedule: Schedule, costs: Any = None, max_replays: int | None = None) -> Schedule:
     """``schedule`` with ``meta["pairs"]``: per rank, the [first, second] op keys of each pair:
     two compute ops with no other compute op (a W, a vocabulary pass) between them, taken left to
     right where the pair cannot deadlock the step (:class:`_Dependencies`) and does not make it
     longer at ``costs`` (default: unit costs). A pair waits for both its inputs and sends after
     both ops: next to each other in 1F1B's steady state, the forward of one microbatch and the
-    backward of another wait on each other's neighbours, which DualPipeV's two directions avoid."""
+    backward of another wait on each other's neighbours, which DualPipeV's two directions avoid.
+
+    Each check replays the step, so a rank's pairs are first tried all at once (one replay) and
+    kept when together they do not lengthen the step (DualPipeV's); only a rank whose pairs
+    together do is walked pair by pair (a replay each). ``max_replays`` caps the replays (the
+    planner's search): past it, the ops left are not paired."""
     if schedule.vocab_parallel != "none":
         raise ValueError(
             "overlapped pairs with vocabulary passes: their collectives are not in the pair's order"
@@ -57,25 +62,46 @@ def pair(schedule: Schedule, costs: Any = None) -> Schedule:
             num_stages=schedule.num_stages, num_slices=schedule.slices, chunks_per_rank=schedule.vpp
         )
 
+    replays = 0
+
     def makespan(pairs: list[list[list[PairKey]]]) -> float:
+        nonlocal replays
+        replays += 1
         try:
             return replay(lower(schedule.with_ranks(list(schedule.ranks), pairs=pairs)), costs).makespan
         except ScheduleError:
             return math.inf
 
+    def no_longer(span: float, best: float) -> bool:
+        return span <= best + 1e-9 * max(1.0, best)
+
     graph = _Dependencies(schedule)
     pairs: list[list[list[PairKey]]] = [[] for _ in schedule.ranks]
     best = makespan(pairs)
+
     for rank, ops in enumerate(schedule.ranks):
         compute = [op for op in ops if op.is_compute]
+        walked = _walk(graph, rank, compute)
+        if not walked or (max_replays is not None and replays >= max_replays):
+            for _, added in walked:
+                graph.remove(added)
+            continue
+        pairs[rank] = [keys for keys, _ in walked]
+        span = makespan(pairs)
+        if no_longer(span, best):  # all of the rank's pairs at once: one replay
+            best = span
+            continue
+        for _, added in reversed(walked):
+            graph.remove(added)
+        pairs[rank] = []
         position = 0
-        while position + 1 < len(compute):
+        while position + 1 < len(compute) and (max_replays is None or replays < max_replays):
             first, second = compute[position], compute[position + 1]
             added = graph.add_pair(rank, first, second) if _pairable(first, second) else None
             if added is not None:
                 pairs[rank].append([key_of(first), key_of(second)])
                 span = makespan(pairs)
-                if span <= best + 1e-9 * max(1.0, best):
+                if no_longer(span, best):
                     best = span
                     position += 2
                     continue
@@ -83,6 +109,24 @@ def pair(schedule: Schedule, costs: Any = None) -> Schedule:
                 graph.remove(added)
             position += 1
     return schedule.with_ranks([list(ops) for ops in schedule.ranks], pairs=pairs)
+
+
+def _walk(
+    graph: _Dependencies, rank: int, compute: list[Op]
+) -> list[tuple[list[PairKey], list[tuple[PairKey, PairKey]]]]:
+    """Every pair the left-to-right walk of ``rank``'s compute ops takes where it cannot deadlock
+    (each added to ``graph``), with the waits it added."""
+    walked = []
+    position = 0
+    while position + 1 < len(compute):
+        first, second = compute[position], compute[position + 1]
+        added = graph.add_pair(rank, first, second) if _pairable(first, second) else None
+        if added is not None:
+            walked.append(([key_of(first), key_of(second)], added))
+            position += 2
+        else:
+            position += 1
+    return walked
 
 
 class _Dependencies:
