@@ -9,6 +9,10 @@ offload bytes, FLOPs for MFU) and computes durations itself, per layer and slice
 * GEMMs of the rank's TP shard over the slice's tokens on its CP rank (``Kernels.gemm``);
 * flash attention over the rank's heads and its share of the causal (query, key) pairs;
 * bandwidth-bound kernels (norms, SwiGLU, RoPE, residual adds, cross-entropy);
+* FP8 (``fp8``, Transformer Engine's ``--fp8-format``): the linears' GEMMs (routed experts' too) at
+  the profile's FP8 throughput with 1-byte operands, and each linear's input (F) and output
+  gradient (B) cast to FP8 (``FP8_CAST_BYTES`` per element); attention, the router and the output
+  layer stay 16-bit;
 * sequence-parallel collectives: F all-gathers the inputs of the two column-parallel linears and
   reduce-scatters the outputs of the two row-parallel ones (4); B reduce-scatters the input
   gradients and all-gathers the output gradients (4); W all-gathers its operands again (2, the
@@ -52,10 +56,12 @@ f_s the routed and shared experts' widths, EP and ETP the expert sizes of ``Layo
   those of the ETP ranks, so per local expert and rank m_e = n_own x k x EP x ETP / E tokens
   (the GEMMs (m_e x h) @ (h x f_e/ETP) and back). Per rank that is n_own x k x ETP copies at
   1/ETP of an expert's width: k experts' FLOPs per own token, as ``FlopCosts`` counts them
-  (``PlanCosts.flops`` is FlopCosts'). Each expert's GEMM is at ``Kernels.gemm``'s roofline, so a
-  small m_e is bound by reading the expert's weights; one launch per grouped GEMM. Not modelled:
-  grouped-GEMM efficiency at small per-expert batches (tile and wave quantisation below the
-  roofline), unbalanced routing;
+  (``PlanCosts.flops`` is FlopCosts'). Each expert's GEMM is a roofline at the profile's
+  grouped-GEMM share of the peak (``Kernels.grouped_gemm``; the dense GEMM's where the profile has
+  none), so a small m_e is bound by reading the expert's weights; one launch per grouped GEMM. Not
+  modelled: the further loss below ~2,000 tokens per expert (tile and wave quantisation). An
+  ``imbalance`` F >= 1 (``expert_load``, capped by a capacity factor) gives the busiest rank F x
+  the balanced m_e, F x the routed copies' traffic and activations and F x each all-to-all;
 * the expert-TP all-gather of the dispatched copies and its reduce-scatter (ETP > 1, megatron-
   core's alltoall dispatcher: ``gather_from_sequence_parallel_region`` over the expert-TP group),
   a buffer of n_own x k x ETP copies of h, in F and again (their gradients) in B;
