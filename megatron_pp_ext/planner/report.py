@@ -161,8 +161,8 @@ def expert_lines(plan: PlanResult) -> list[str]:
         f"{layout.parallel.expert_dp}; {problem.dispatcher} dispatcher; {overlap}",
         f"  expert all-to-all: {summary.nvlink_bytes / 2**20:.1f} MiB over NVLink + "
         f"{summary.ib_bytes / 2**20:.1f} MiB over InfiniBand per rank, {summary.one_alltoall * 1e3:.2f} ms, "
-        f"4 per MoE layer and microbatch; {summary.alltoall_seconds:.2f} s per step on the busiest rank, "
-        f"{summary.hidden_seconds:.2f} s of it hidden by overlapped pairs",
+        f"4 per MoE layer and microbatch; {summary.alltoall_seconds:.2f} s per step on the busiest rank; "
+        f"overlapped pairs hide up to {summary.hidden_seconds:.2f} s a step on a rank",
         f"  memory: routed experts' weights, gradients and optimizer state "
         f"{plan.memory.experts / 2**30:.1f} GiB of the static parts",
         f"  assumed: routing {'balanced' if problem.moe_imbalance == 1 else 'imbalanced'} "

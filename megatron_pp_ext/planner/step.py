@@ -196,7 +196,7 @@ class ExpertSummary:
     the tokens each local expert's GEMM takes."""
 
     alltoall_seconds: float  # every expert all-to-all of the step on that rank
-    hidden_seconds: float  # of which the overlapped pairs hide (scaled from the simulated ones)
+    hidden_seconds: float  # the most any rank's overlapped pairs hide (scaled from the simulated ones)
     nvlink_bytes: float  # one all-to-all of one microbatch (first slice), per rank
     ib_bytes: float
     one_alltoall: float  # its seconds
@@ -677,7 +677,7 @@ def _assemble(
 
 def _expert_summary(schedule: Schedule, costs: PlanCosts, m: int) -> ExpertSummary:
     """The step's expert all-to-all on the rank with the most of it (one microbatch's, x m) and
-    what that rank's overlapped pairs hide (the simulated pairs', x m / simulated microbatches)."""
+    the most a rank's overlapped pairs hide (the simulated pairs', x m / simulated microbatches)."""
     kinds = (OpKind.F, OpKind.B, OpKind.W, OpKind.BW)
     per_rank = [0.0] * schedule.pp
     for stage in range(schedule.num_stages):
@@ -691,7 +691,7 @@ def _expert_summary(schedule: Schedule, costs: PlanCosts, m: int) -> ExpertSumma
     nvlink, ib = costs.alltoall_parts(0)
     return ExpertSummary(
         alltoall_seconds=per_rank[busiest] * m,
-        hidden_seconds=hidden[busiest] * m / schedule.microbatches,
+        hidden_seconds=max(hidden) * m / schedule.microbatches,
         nvlink_bytes=nvlink,
         ib_bytes=ib,
         one_alltoall=costs.alltoall_seconds(0),
