@@ -178,7 +178,7 @@ def published_moe_runs() -> list[PublishedMoeRun]:
 def main() -> None:
     print(
         "| run | predicted s/step | published s/step | predicted / published | TFLOP/s/GPU | MFU | "
-        "all-to-all s (hidden) | GiB/GPU |"
+        "all-to-all s on the busiest rank (most a rank's pairs hide) | GiB/GPU |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for run in published_moe_runs():
