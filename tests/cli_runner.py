@@ -18,6 +18,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from dist_utils import warm_context
 
@@ -89,3 +90,16 @@ def run_cli(
                 code = int(handle.read())
         with open(out) as stdout, open(err) as stderr:
             return subprocess.CompletedProcess(["megatron-pp-ext", *args], code, stdout.read(), stderr.read())
+
+
+def run_main(capsys: Any, argv: Sequence[str]) -> tuple[int, str, str]:
+    """``megatron-pp-ext ARGV`` in this process (fast; for commands that start no ranks):
+    (exit status, stdout, stderr), stderr and stdout as ``capsys`` caught them."""
+    from megatron_pp_ext.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = int(exit_.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err

@@ -10,9 +10,9 @@ import json
 import shlex
 
 import pytest
+from cli_runner import run_main
 
 from megatron_pp_ext import configs
-from megatron_pp_ext.cli import main
 from megatron_pp_ext.planner.costs import PlanCosts
 from megatron_pp_ext.planner.devices import get_profile
 from megatron_pp_ext.planner.layout import Layout
@@ -24,16 +24,6 @@ from megatron_pp_ext.planner.search import search
 from megatron_pp_ext.planner.step import Problem
 from megatron_pp_ext.schedule.generators import generate
 from megatron_pp_ext.schedule.memory_model import stage_layers
-
-
-def run_cli(capsys: pytest.CaptureFixture, argv: list[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = int(exit_.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
 
 RUNS = {run.key: run for run in published_moe_runs()}
 # Each run's predicted seconds per step when this model was last changed (python -m
@@ -127,7 +117,7 @@ def test_the_free_search_never_answers_slower_than_the_run_it_was_shown() -> Non
 
 
 def _plan_json(capsys: pytest.CaptureFixture, *args: str) -> list[dict]:
-    code, out, err = run_cli(capsys, ["plan", *args, "--json"])
+    code, out, err = run_main(capsys, ["plan", *args, "--json"])
     assert code == 0, err
     return json.loads(out)
 
@@ -146,7 +136,7 @@ def test_plan_searches_expert_layouts_with_and_without_the_overlap(capsys: pytes
 
 
 def test_plan_text_states_the_moe_assumptions(capsys: pytest.CaptureFixture) -> None:
-    code, out, err = run_cli(
+    code, out, err = run_main(
         capsys,
         ["plan", "--model", "tiny-mixtral", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "32",
          "--max-simulations", "20", "--top", "3", "--pp-moe-imbalance", "1.2"],
@@ -158,7 +148,7 @@ def test_plan_text_states_the_moe_assumptions(capsys: pytest.CaptureFixture) -> 
 
 
 def test_emit_flags_carry_the_expert_layout(capsys: pytest.CaptureFixture) -> None:
-    code, out, err = run_cli(
+    code, out, err = run_main(
         capsys,
         ["plan", "--model", "qwen3-30b-a3b-like", "--gpus", "16", "--global-batch-size", "256",
          "--max-simulations", "30", "--emit", "flags", "--moe-token-dispatcher-type", "flex"],
@@ -197,7 +187,7 @@ def test_emit_flags_carry_the_expert_layout(capsys: pytest.CaptureFixture) -> No
 def test_what_plan_cannot_honour_for_experts_is_refused(
     capsys: pytest.CaptureFixture, args: list[str], flag: str
 ) -> None:
-    code, _, err = run_cli(capsys, ["plan", "--gpus", "16", "--max-simulations", "5", *args])
+    code, _, err = run_main(capsys, ["plan", "--gpus", "16", "--max-simulations", "5", *args])
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
 
 

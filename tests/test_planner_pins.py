@@ -10,8 +10,8 @@ import shlex
 from pathlib import Path
 
 import pytest
+from cli_runner import run_main
 
-from megatron_pp_ext.cli import main
 from megatron_pp_ext.planner.published import predict, problem_of, published_runs
 from megatron_pp_ext.planner.search import search
 
@@ -28,17 +28,8 @@ GPT3_EXAMPLE = (
 )
 
 
-def run_cli(capsys: pytest.CaptureFixture, argv: list[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = int(exit_.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_pins_fix_their_dimensions_and_the_rest_is_searched(capsys: pytest.CaptureFixture) -> None:
-    code, out, _ = run_cli(
+    code, out, _ = run_main(
         capsys,
         ["plan", "--model", "llama2-70b", "--gpus", "64", "--seq-length", "8192", "--json", "--top", "5",
          "--tensor-model-parallel-size", "4", "--pp-schedule", "interleaved-1f1b"],
@@ -68,14 +59,14 @@ def test_pins_fix_their_dimensions_and_the_rest_is_searched(capsys: pytest.Captu
 def test_impossible_pins_are_refused_in_one_line(
     capsys: pytest.CaptureFixture, pins: list[str], flag: str, why: str
 ) -> None:
-    code, out, err = run_cli(capsys, ["plan", "--model", "llama2-70b", "--gpus", "64", *pins])
+    code, out, err = run_main(capsys, ["plan", "--model", "llama2-70b", "--gpus", "64", *pins])
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and why in lines[0], err
 
 
 def test_from_args_predicts_megatron_s_gpt3_example(capsys: pytest.CaptureFixture) -> None:
-    code, out, _ = run_cli(
+    code, out, _ = run_main(
         capsys, ["plan", "--from-args", GPT3_EXAMPLE, "--gpus", "1536", "--gpu", "a100-80gb", "--json"]
     )
     assert code == 0
@@ -95,7 +86,7 @@ def test_from_args_predicts_megatron_s_gpt3_example(capsys: pytest.CaptureFixtur
 
 
 def test_from_args_text_shows_the_run_then_the_alternative(capsys: pytest.CaptureFixture) -> None:
-    code, out, _ = run_cli(
+    code, out, _ = run_main(
         capsys, ["plan", "--from-args", GPT3_EXAMPLE, "--gpus", "1536", "--gpu", "a100-80gb"]
     )
     assert code == 0
@@ -118,7 +109,7 @@ def test_from_args_text_shows_the_run_then_the_alternative(capsys: pytest.Captur
 def test_from_args_that_cannot_run_is_refused_in_one_line(
     capsys: pytest.CaptureFixture, extra: list[str], flag: str, why: str
 ) -> None:
-    code, out, err = run_cli(capsys, ["plan", "--from-args", GPT3_EXAMPLE, *extra])
+    code, out, err = run_main(capsys, ["plan", "--from-args", GPT3_EXAMPLE, *extra])
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and flag in err and why in err, err
 
@@ -145,7 +136,7 @@ def test_from_args_that_cannot_run_is_refused_in_one_line(
     ],
 )  # fmt: skip
 def test_from_args_names_what_the_line_lacks(capsys: pytest.CaptureFixture, line: str, flag: str) -> None:
-    code, _, err = run_cli(capsys, ["plan", "--from-args", line])
+    code, _, err = run_main(capsys, ["plan", "--from-args", line])
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
 
 
@@ -159,7 +150,9 @@ def _sbatch_defaults(path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("path", SBATCH, ids=[p.stem for p in SBATCH])
 def test_from_sbatch_predicts_each_of_our_scripts(capsys: pytest.CaptureFixture, path: Path) -> None:
-    code, out, err = run_cli(capsys, ["plan", "--from-sbatch", str(path), "--json", "--max-simulations", "8"])
+    code, out, err = run_main(
+        capsys, ["plan", "--from-sbatch", str(path), "--json", "--max-simulations", "8"]
+    )
     answer = json.loads(out)
     run = answer["run"]
     assert code == (0 if run["fits"] else 2), err
@@ -174,7 +167,7 @@ def test_from_sbatch_predicts_each_of_our_scripts(capsys: pytest.CaptureFixture,
 
 
 def test_from_sbatch_of_a_missing_file_is_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    code, _, err = run_cli(capsys, ["plan", "--from-sbatch", str(tmp_path / "none.sbatch")])
+    code, _, err = run_main(capsys, ["plan", "--from-sbatch", str(tmp_path / "none.sbatch")])
     assert code == 2 and "--from-sbatch" in err and "cannot read" in err
 
 
@@ -279,7 +272,7 @@ def test_from_args_predicts_megatron_s_layer_split_flags(
 ) -> None:
     """megatron-core's split under each of its flags (``schedule/layer_split.py``, checked against
     megatron-core in test_layer_split.py) is the split the prediction runs."""
-    code, out, err = run_cli(
+    code, out, err = run_main(
         capsys, ["plan", "--from-args", f"{UNEVEN} {flags}", "--json", "--max-simulations", "1"]
     )
     assert code == 0, err
@@ -313,7 +306,7 @@ def test_from_args_refuses_uneven_stages_megatron_core_refuses(capsys: pytest.Ca
             "--pipeline-model-parallel-layout",
         ),
     ):
-        code, _, err = run_cli(capsys, ["plan", "--from-args", f"{UNEVEN} {flags}"])
+        code, _, err = run_main(capsys, ["plan", "--from-args", f"{UNEVEN} {flags}"])
         assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
 
 
@@ -326,13 +319,13 @@ def test_the_search_splits_layers_unevenly_as_megatron_can_and_emits_the_flags(
     through --from-args to the same prediction."""
     base = ["--model", "llama2-7b", "--gpus", "7", "--seq-length", "4096", "--schedules", "1f1b"]
     base += ["--global-batch-size", "28", "--pipeline-model-parallel-size", "7"]
-    code, top, err = run_cli(capsys, ["plan", *base, "--json", "--top", "1"])
+    code, top, err = run_main(capsys, ["plan", *base, "--json", "--top", "1"])
     assert code == 0, err
     best = json.loads(top)[0]
     assert best["pp"] == 7 and best["stage_layers"] == [4, 5, 5, 5, 5, 5, 3]
-    code, flags, _ = run_cli(capsys, ["plan", *base, "--emit", "flags"])
+    code, flags, _ = run_main(capsys, ["plan", *base, "--emit", "flags"])
     assert "--decoder-first-pipeline-num-layers 4 --decoder-last-pipeline-num-layers 3" in flags
-    code, out, err = run_cli(
+    code, out, err = run_main(
         capsys, ["plan", "--from-args", flags.strip() + " --vocab-size 32000", "--gpus", "7", "--json"]
     )
     assert code == 0, err
@@ -341,7 +334,7 @@ def test_the_search_splits_layers_unevenly_as_megatron_can_and_emits_the_flags(
     assert run["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-6)
     # the same line without the split: Megatron refuses 32 layers over 7 ranks; the error says how
     even = re.sub(r" --decoder-(first|last)-pipeline-num-layers \d+", "", flags.strip())
-    code, _, err = run_cli(capsys, ["plan", "--from-args", even + " --vocab-size 32000", "--gpus", "7"])
+    code, _, err = run_main(capsys, ["plan", "--from-args", even + " --vocab-size 32000", "--gpus", "7"])
     assert code == 2 and "--decoder-first-pipeline-num-layers 3" in err and len(err.strip().splitlines()) == 1
 
 
@@ -369,13 +362,13 @@ def test_from_args_reads_its_own_flags_the_way_plan_emits_them(capsys: pytest.Ca
     """Round trip: plan's --emit flags, given back through --from-args, predict the same plan
     (read back the way Megatron reads them: every pin from the line)."""
     base = ["--model", "llama3-8b", "--gpus", "16", "--seq-length", "8192", "--global-batch-size", "64"]
-    code, flags, _ = run_cli(capsys, ["plan", *base, "--emit", "flags"])
+    code, flags, _ = run_main(capsys, ["plan", *base, "--emit", "flags"])
     assert code == 0
-    code, top, _ = run_cli(capsys, ["plan", *base, "--json", "--top", "1"])
+    code, top, _ = run_main(capsys, ["plan", *base, "--json", "--top", "1"])
     best = json.loads(top)[0]
     # --emit flags leaves the tokenizer to the user; its vocabulary comes with it
     line = flags.strip() + " --vocab-size 128256"
-    code, out, _ = run_cli(capsys, ["plan", "--from-args", line, "--gpus", "16", "--json"])
+    code, out, _ = run_main(capsys, ["plan", "--from-args", line, "--gpus", "16", "--json"])
     assert code == 0, shlex.split(flags)
     run = json.loads(out)["run"]
     for key in ("tp", "cp", "pp", "dp", "vpp", "schedule", "slices", "offload", "recompute"):
@@ -389,8 +382,8 @@ def test_vocabulary_parallelism_pinned_spreads_the_output_layer(capsys: pytest.C
     shrinks; the flags it emits read back to the same plan."""
     base = ["--model", "llama3-8b", "--gpus", "32", "--seq-length", "8192", "--pp-schedule", "1f1b",
             "--pipeline-model-parallel-size", "8", "--json", "--top", "1"]  # fmt: skip
-    _, plain, _ = run_cli(capsys, ["plan", *base])
-    code, spread, _ = run_cli(capsys, ["plan", *base, "--pp-vocab-parallel", "vocab-2"])
+    _, plain, _ = run_main(capsys, ["plan", *base])
+    code, spread, _ = run_main(capsys, ["plan", *base, "--pp-vocab-parallel", "vocab-2"])
     assert code == 0
     plain_plan, vocab_plan = json.loads(plain)[0], json.loads(spread)[0]
     assert plain_plan["vocab_parallel"] == "none" and vocab_plan["vocab_parallel"] == "vocab-2"
@@ -398,11 +391,11 @@ def test_vocabulary_parallelism_pinned_spreads_the_output_layer(capsys: pytest.C
     assert static(vocab_plan) < static(plain_plan)
     assert vocab_plan["bubble"] < plain_plan["bubble"]
     assert vocab_plan["step_time_s"] < plain_plan["step_time_s"]
-    code, flags, _ = run_cli(
+    code, flags, _ = run_main(
         capsys, ["plan", *base[:-3], "--pp-vocab-parallel", "vocab-2", "--emit", "flags"]
     )
     assert "--pp-vocab-parallel vocab-2" in flags
-    code, out, _ = run_cli(
+    code, out, _ = run_main(
         capsys, ["plan", "--from-args", flags.strip() + " --vocab-size 128256", "--gpus", "32", "--json"]
     )
     run = json.loads(out)["run"]

@@ -137,17 +137,11 @@ def resolve(model: str, flags: dict[str, Any]) -> ModelSpec:
             "--model", f"unknown model {model!r}; choose a config or preset ({choices}) or a YAML file"
         )
     changes: dict[str, Any] = {}
-    for flag, (attribute, _) in SHAPE_FLAGS.items():
-        value = flags.get(flag)
-        if value is not None:
-            if value < 1:
-                raise ModelError(flag, f"{flag} must be positive, got {value}")
-            changes[attribute] = value
-            spec.overrides[flag] = value
     if flags.get("--swiglu"):
         changes["gated"] = True
         spec.overrides["--swiglu"] = True
-    for flag, attribute in MOE_FLAGS.items():
+    attributes = {flag: attribute for flag, (attribute, _) in SHAPE_FLAGS.items()} | MOE_FLAGS
+    for flag, attribute in attributes.items():
         value = flags.get(flag)
         if value is not None:
             if value < 1:
