@@ -160,6 +160,10 @@ def read_args(text: str) -> Run:
     mtp = args.mtp_num_layers or 0
     if mtp:
         shape = with_mtp_layers(shape, mtp)
+        notes.append(
+            f"--mtp-num-layers {mtp}: predicted as {mtp} more layer(s) of the last layer's kind on the last "
+            "stage (Megatron's FLOP count takes them so); their projection, norms and output layer are not"
+        )
     pins = _pins(args, shape, mtp)
     return Run(
         shape=shape,
