@@ -102,6 +102,7 @@ def test_fp8_is_faster_than_bf16(key: str, most: float) -> None:
         plans[name] = predict(problem, run.pins)
     assert plans["fp8"].step_time < most * plans["bf16"].step_time
     assert plans["fp8"].model_flops == plans["bf16"].model_flops  # MFU against the BF16 peak either way
+    assert plans["fp8"].to_dict()["fp8"] == "hybrid" and plans["bf16"].to_dict()["fp8"] is None
 
 
 def test_the_free_search_never_answers_slower_than_the_run_it_was_shown() -> None:

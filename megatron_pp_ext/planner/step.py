@@ -286,6 +286,7 @@ class PlanResult:
             "param_gather_exposed_s": self.param_gather_exposed,
             "simulated_microbatches": self.simulated_microbatches,
             "offloaded_units": self.offloaded_units,
+            "fp8": self.problem.fp8,  # --fp8-format, or None (BF16)
             **(self._moe_dict() if self.problem.shape.experts else {}),
         }
 
