@@ -475,7 +475,11 @@ def pipeline_of(
         layers = _stage_layers(problem.shape.layers, layout.pp * candidate.vpp, candidate.layers)
     except ValueError as error:
         raise Rejection("too few layers", str(error)) from None
-    run = RunShape(problem.shape, problem.seq_length, tuple(layers) if candidate.layers else None)
+    # The runtime's shape has no experts yet (models.megatron_shape, ModelConfig.shape): its
+    # message order and overlapped pairs are chosen at the dense shape's FLOPs, so the plan takes
+    # them there too (as simulate does); the replay still times the experts.
+    dense = problem.shape.as_dense()
+    run = RunShape(dense, problem.seq_length, tuple(layers) if candidate.layers else None)
     try:
         if candidate.schedule == "zb-auto":  # planned with the cost model's times: the model first,
             schedule = generate("1f1b", layout.pp, microbatches)  # on a schedule of its stages
