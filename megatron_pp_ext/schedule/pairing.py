@@ -22,6 +22,7 @@ What pairing changes:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from .costs import UniformCosts
@@ -94,38 +95,45 @@ def pair(schedule: Schedule, costs: Any = None, max_replays: int | None = None) 
         for _, added in reversed(walked):
             graph.remove(added)
         pairs[rank] = []
-        position = 0
-        while position + 1 < len(compute) and (max_replays is None or replays < max_replays):
-            first, second = compute[position], compute[position + 1]
-            added = graph.add_pair(rank, first, second) if _pairable(first, second) else None
-            if added is not None:
-                pairs[rank].append([key_of(first), key_of(second)])
-                span = makespan(pairs)
-                if no_longer(span, best):
-                    best = span
-                    position += 2
-                    continue
-                pairs[rank].pop()
-                graph.remove(added)
-            position += 1
+
+        def keep(keys: list[PairKey], rank: int = rank) -> bool:
+            """One more pair on this rank, kept where the step is no longer with it."""
+            nonlocal best
+            pairs[rank].append(keys)
+            span = makespan(pairs)
+            if no_longer(span, best):
+                best = span
+                return True
+            pairs[rank].pop()
+            return False
+
+        _walk(graph, rank, compute, keep, lambda: max_replays is None or replays < max_replays)
     return schedule.with_ranks([list(ops) for ops in schedule.ranks], pairs=pairs)
 
 
 def _walk(
-    graph: _Dependencies, rank: int, compute: list[Op]
+    graph: _Dependencies,
+    rank: int,
+    compute: list[Op],
+    keep: Callable[[list[PairKey]], bool] = lambda keys: True,
+    more: Callable[[], bool] = lambda: True,
 ) -> list[tuple[list[PairKey], list[tuple[PairKey, PairKey]]]]:
-    """Every pair the left-to-right walk of ``rank``'s compute ops takes where it cannot deadlock
-    (each added to ``graph``), with the waits it added."""
+    """The pairs the left-to-right walk of ``rank``'s compute ops takes (each added to ``graph``),
+    with the waits each added: a pair where it cannot deadlock and ``keep`` takes it, while
+    ``more`` says go on."""
     walked = []
     position = 0
-    while position + 1 < len(compute):
+    while position + 1 < len(compute) and more():
         first, second = compute[position], compute[position + 1]
         added = graph.add_pair(rank, first, second) if _pairable(first, second) else None
         if added is not None:
-            walked.append(([key_of(first), key_of(second)], added))
-            position += 2
-        else:
-            position += 1
+            keys = [key_of(first), key_of(second)]
+            if keep(keys):
+                walked.append((keys, added))
+                position += 2
+                continue
+            graph.remove(added)
+        position += 1
     return walked
 
 
