@@ -95,10 +95,7 @@ def test_fp8_is_faster_than_bf16(key: str, most: float) -> None:
         ("bf16", line.replace("--fp8-format hybrid", "")),
     ):
         run = read_args(text)
-        problem = Problem(
-            run.shape, run.seq_length, run.gpus, get_profile("h100-80gb"), run.global_batch or 1,
-            dispatcher=run.dispatcher, fp8=run.fp8,
-        )  # fmt: skip
+        problem = run.problem(get_profile("h100-80gb"))
         plans[name] = predict(problem, run.pins)
     assert plans["fp8"].step_time < most * plans["bf16"].step_time
     assert plans["fp8"].model_flops == plans["bf16"].model_flops  # MFU against the BF16 peak either way
@@ -109,8 +106,7 @@ def test_the_free_search_never_answers_slower_than_the_run_it_was_shown() -> Non
     """The search prunes by estimates; ``predict_and_compare`` puts the run among its plans."""
     run = RUNS["4a"]
     read = read_args(run.command)
-    problem = Problem(read.shape, read.seq_length, read.gpus, get_profile("h100-80gb"), read.global_batch,
-                      dispatcher=read.dispatcher)  # fmt: skip
+    problem = read.problem(get_profile("h100-80gb"))
     result = predict_and_compare(problem, read.pins, max_simulations=10, top=3)
     assert result.run.fits
     assert result.search.plans[0].step_time <= result.run.step_time + 1e-9
@@ -196,8 +192,7 @@ def test_an_imbalance_margin_costs_time_and_memory() -> None:
     run = read_args(RUNS["4a"].command)
     plans = []
     for imbalance in (1.0, 1.5):
-        problem = Problem(run.shape, run.seq_length, run.gpus, get_profile("h100-80gb"), run.global_batch,
-                          dispatcher=run.dispatcher, moe_imbalance=imbalance)  # fmt: skip
+        problem = run.problem(get_profile("h100-80gb"), moe_imbalance=imbalance)
         plans.append(predict(problem, dataclasses.replace(run.pins, pairs=None)))
     balanced, skewed = plans
     assert skewed.step_time > balanced.step_time * 1.05

@@ -269,7 +269,6 @@ def predict_run(args: argparse.Namespace) -> int:
             f"{source}'s line does not say how many GPUs (no torchrun --nproc-per-node/--nnodes): "
             "add --gpus N",
         )
-    per_node = min(args.gpus_per_node or run.gpus_per_node or 8, gpus)
     pins = run.pins
     model_parallel = (pins.tp or 1) * (pins.cp or 1) * (pins.pp or 1)
     if gpus % model_parallel:
@@ -278,18 +277,15 @@ def predict_run(args: argparse.Namespace) -> int:
             f"TP {pins.tp} x CP {pins.cp} x PP {pins.pp} = {model_parallel} does not divide the {gpus} GPUs "
             f"({'--gpus' if args.gpus else 'from the launcher'})",
         )
-    batch = run.global_batch or run.micro_batch * gpus // model_parallel
     profile = profile_from_args(args, run.cluster)
-    problem = Problem(
-        run.shape,
-        run.seq_length,
-        gpus,
+    problem = run.problem(
         profile,
-        batch,
-        gpus_per_node=per_node,
+        gpus,
+        args.gpus_per_node,
         completion=args.comm_completion,
         **moe_options(args, run.shape, profile, run.dispatcher, run.fp8),
     )
+    batch, per_node = problem.global_batch, problem.gpus_per_node
     try:
         result = predict_and_compare(problem, pins, args.max_simulations, args.top)
     except PinError as error:

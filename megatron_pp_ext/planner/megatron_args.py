@@ -18,6 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from ..schedule.generators import SCHEDULES
 from ..schedule.ir import Placement
@@ -32,7 +33,9 @@ from ..schedule.layer_split import (
     uneven_splits,
 )
 from ..schedule.models import ModelShape
+from .devices import DeviceProfile
 from .pins import PinError, Pins
+from .step import Problem
 
 GPT2_VOCAB = 50257  # GPT2BPETokenizer (Megatron-LM's examples use it with --vocab-file/--merge-file)
 
@@ -58,6 +61,32 @@ class Run:
     notes: list[str] = field(default_factory=list)
     dispatcher: str = "alltoall"  # --moe-token-dispatcher-type (alltoall or flex)
     fp8: str | None = None  # --fp8-format: Transformer Engine's linears in FP8
+
+    def problem(
+        self,
+        profile: DeviceProfile,
+        gpus: int | None = None,
+        gpus_per_node: int | None = None,
+        **settings: Any,
+    ) -> Problem:
+        """The planner's problem this line describes on ``profile``: its GPUs (or ``gpus``), its
+        global batch (Megatron's default, micro-batch x DP, where it gives none), its dispatcher and
+        FP8 format; ``settings`` override Problem's other fields (or these)."""
+        gpus = gpus or self.gpus
+        if gpus is None:
+            raise ArgsError("--gpus", "the line does not say how many GPUs (no torchrun --nproc-per-node)")
+        pins = self.pins
+        model_parallel = (pins.tp or 1) * (pins.cp or 1) * (pins.pp or 1)
+        settings = {"dispatcher": self.dispatcher, "fp8": self.fp8, **settings}
+        return Problem(
+            self.shape,
+            self.seq_length,
+            gpus,
+            profile,
+            self.global_batch or self.micro_batch * gpus // model_parallel,
+            gpus_per_node=min(gpus_per_node or self.gpus_per_node or 8, gpus),
+            **settings,
+        )
 
 
 def _parser() -> argparse.ArgumentParser:

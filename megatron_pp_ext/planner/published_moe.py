@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from .devices import get_profile
 from .megatron_args import read_args
 from .predict import predict
-from .step import PlanResult, Problem
+from .step import PlanResult
 
 SEQ = 4096
 
@@ -96,16 +96,7 @@ class PublishedMoeRun:
     def predict(self) -> PlanResult:
         """The line through ``plan --from-args``'s path: read, then predicted pinned."""
         run = read_args(self.command)
-        assert run.gpus is not None
-        problem = Problem(
-            run.shape,
-            run.seq_length,
-            run.gpus,
-            get_profile("h100-80gb"),
-            run.global_batch or 1,
-            dispatcher=run.dispatcher,
-            fp8=run.fp8,
-        )
+        problem = run.problem(get_profile("h100-80gb"))
         return predict(problem, run.pins)
 
     def notes(self) -> list[str]:
