@@ -224,9 +224,9 @@ def moe_options(
         for flag, value in (
             ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type),
             ("--pp-moe-imbalance", args.pp_moe_imbalance != 1.0 or None),
-            ("--expert-model-parallel-size", getattr(args, "expert_model_parallel_size", None)),
-            ("--expert-tensor-parallel-size", getattr(args, "expert_tensor_parallel_size", None)),
-            ("--overlap-moe-expert-parallel-comm", getattr(args, "overlap_moe_expert_parallel_comm", None)),
+            ("--expert-model-parallel-size", args.expert_model_parallel_size),
+            ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size),
+            ("--overlap-moe-expert-parallel-comm", args.overlap_moe_expert_parallel_comm),
         )
         if value is not None
     ]
